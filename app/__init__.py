@@ -1,0 +1,1 @@
+"""What the user touches: the command line (and the chat UI)."""

@@ -1,0 +1,280 @@
+"""The `medusa-chat` command line: `generate`, `bench` (and the chat UI later).
+
+Every mistake a user can make ends here as one sentence on stderr and exit status 2; an
+unexpected failure prints one sentence and leaves the traceback in the log file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+
+import platformdirs
+
+from core.errors import UserError
+
+log = logging.getLogger("medusa-chat")
+
+
+def _decoding_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct", help="catalog id or model folder")
+    p.add_argument("--heads", help="folder with Medusa heads (default: the model's shipped heads)")
+    p.add_argument("--acceptance", default="lossless", choices=["lossless", "typical"])
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--epsilon", type=float, default=0.09, help="typical: probability threshold ε")
+    p.add_argument("--delta", type=float, default=0.3, help="typical: entropy threshold δ")
+    p.add_argument("--tree", help="tree preset name or JSON file (default: the model's)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="medusa-chat", description=__doc__.splitlines()[0])
+    sub = root.add_subparsers(dest="command")
+
+    gen = sub.add_parser("generate", help="answer one prompt")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--system", help="system prompt")
+    gen.add_argument("--mode", default="medusa", choices=["medusa", "baseline"])
+    gen.add_argument("--num-samples", type=int, default=1, help="independent samples (seeded from --seed)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    _decoding_options(gen)
+
+    bench = sub.add_parser("bench", help="compare decoding modes on a prompt file")
+    bench.add_argument("--prompts", required=True, help='JSONL file, one {"prompt": ...} per line')
+    bench.add_argument("--modes", default="medusa,baseline,hf,hf-pld")
+    bench.add_argument("--system", help="system prompt for every prompt")
+    bench.add_argument("--json", dest="json_out", metavar="OUT", help="write the results here")
+    _decoding_options(bench)
+    bench.set_defaults(max_new_tokens=128)
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.command is None:
+        parser().print_help()
+        return 0
+    _setup_logging()
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        return _bench(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        log.error("unexpected failure\n%s", traceback.format_exc())
+        print(f"error: unexpected {type(e).__name__}: {e} (details in {_log_file()})", file=sys.stderr)
+        return 1
+
+
+def _log_file() -> Path:
+    return Path(platformdirs.user_log_dir("medusa-chat")) / "medusa-chat.log"
+
+
+def _setup_logging() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own messages say what is loading
+    hf_logging.set_verbosity_error()
+    file = _log_file()
+    file.parent.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(filename=file, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+
+
+def _settings(args: argparse.Namespace):
+    from core.settings import DecodeSettings
+
+    return DecodeSettings(
+        acceptance=args.acceptance,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        epsilon=args.epsilon,
+        delta=args.delta,
+        max_new_tokens=args.max_new_tokens,
+        stop=tuple(args.stop),
+    )
+
+
+def _setup(args: argparse.Namespace, need_drafter: bool):
+    """Validate cheap things first, then load: (settings, backbone, drafter or None)."""
+    from core.drafters import MedusaDrafter
+    from core.tree import load_tree
+    from models.loader import heads_for, load_backbone
+
+    settings = _settings(args)
+    tree_name, tree = load_tree(args.tree or _default_tree(args.model))
+    backbone = load_backbone(args.model, args.dtype, args.device)
+    if not need_drafter:
+        return settings, backbone, None
+    heads, trained = heads_for(backbone, args.heads, num_heads=max(tree.max_depth, 4))
+    if not trained:
+        print(
+            "warning: no trained Medusa heads for this model, so drafts are rarely accepted; "
+            "pass --heads FOLDER.",
+            file=sys.stderr,
+        )
+    drafter = MedusaDrafter(heads, tree.to(backbone.model.device), tree_name=f"Tree '{tree_name}'")
+    return settings, backbone, drafter
+
+
+def _default_tree(model: str) -> str:
+    return "cpu-16"
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from core.generate import Finished, stream
+
+    if not args.prompt.strip():
+        raise UserError("The prompt is empty; pass --prompt with some text.")
+    if args.num_samples < 1:
+        raise UserError(f"--num-samples must be at least 1, got {args.num_samples}.")
+    settings, backbone, drafter = _setup(args, need_drafter=args.mode == "medusa")
+    prompt_ids = backbone.encode_chat(args.prompt, args.system)
+    generator = torch.Generator(backbone.model.device).manual_seed(args.seed)
+    painter = _Painter(enabled=not args.json and sys.stdout.isatty())
+    samples = []
+    for _ in range(args.num_samples):
+        events = stream(
+            backbone.model,
+            prompt_ids,
+            settings,
+            drafter,
+            backbone.tokenizer,
+            backbone.eos_ids,
+            generator,
+        )
+        steps = []
+        for e in events:
+            if isinstance(e, Finished):
+                done = e
+                break
+            steps.append(len(e.token_ids))
+            if not args.json:
+                painter.write(e.text, e.accepted)
+        samples.append(
+            {
+                "text": done.text,
+                "token_ids": list(done.token_ids),
+                "steps": steps,
+                "seconds": round(done.seconds, 4),
+            }
+        )
+        if not args.json:
+            print(flush=True)
+            print(
+                f"[{len(done.token_ids)} tokens in {done.steps} steps = "
+                f"{done.tokens_per_step:.2f} tokens/step, {done.tokens_per_second:.1f} tokens/s, "
+                f"first token {1000 * done.first_token_seconds:.0f} ms, finished by {done.finish_reason}]",
+                file=sys.stderr,
+            )
+    if args.json:
+        result = {
+            "model": args.model,
+            "mode": args.mode,
+            "acceptance": args.acceptance,
+            "samples": samples,
+        }
+        print(json.dumps(result, ensure_ascii=False))
+    return 0
+
+
+class _Painter:
+    """Colors each step's text in a terminal: drafted-and-accepted steps stand out."""
+
+    COLORS = ("\x1b[38;5;39m", "\x1b[38;5;208m", "\x1b[38;5;35m", "\x1b[38;5;170m")
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.n = 0
+
+    def write(self, text: str, accepted: int) -> None:
+        if self.enabled and accepted:
+            self.n += 1
+            text = f"{self.COLORS[self.n % len(self.COLORS)]}{text}\x1b[0m"
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+def _read_prompts(file: str) -> list[str]:
+    path = Path(file).expanduser()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(
+            f"Cannot read the prompt file {path} ({e.__class__.__name__}); check the path."
+        ) from e
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            prompt = json.loads(line)["prompt"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise UserError(
+                f'Line {n} of {path} is not a JSON object with a "prompt"; fix that line.'
+            ) from None
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise UserError(f'Line {n} of {path} has an empty "prompt"; fill it or remove the line.')
+        prompts.append(prompt)
+    if not prompts:
+        raise UserError(f'{path} holds no prompts; add lines like {{"prompt": "Hello"}}.')
+    return prompts
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from core.bench import check_modes, run_bench, speedups, summarize, table
+
+    modes = check_modes(args.modes.split(","))
+    prompts = _read_prompts(args.prompts)
+    settings, backbone, drafter = _setup(args, need_drafter=True)
+    encoded = [backbone.encode_chat(p, args.system) for p in prompts]
+    print(
+        f"bench: {len(prompts)} prompts × {', '.join(modes)} on {args.model} ({backbone.model.dtype})",
+        file=sys.stderr,
+    )
+
+    def progress(run) -> None:
+        print(
+            f"  prompt {run.prompt + 1:>3} {run.mode:<9} {run.tokens:>4} tokens "
+            f"{run.steps:>4} steps {run.seconds:6.2f} s",
+            file=sys.stderr,
+        )
+
+    runs = run_bench(encoded, modes, backbone.model, settings, drafter, backbone.eos_ids, args.seed, progress)
+    summary = summarize(runs)
+    print(table(summary))
+    if args.json_out:
+        report = {
+            "model": args.model,
+            "dtype": str(backbone.model.dtype).removeprefix("torch."),
+            "tree": args.tree or _default_tree(args.model),
+            "settings": asdict(settings),
+            "prompts": len(prompts),
+            "summary": {m: asdict(s) for m, s in summary.items()},
+            "speedup": speedups(summary),
+            "runs": [asdict(r) for r in runs],
+        }
+        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Data shipped with medusa-chat: tree presets, styles, trained heads. No code."""

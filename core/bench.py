@@ -1,0 +1,172 @@
+"""Benchmark: the same prompts through several decoding modes on one loaded model.
+
+Modes run interleaved prompt by prompt, so slow drift of the machine (heat, other load) hits
+them alike. `medusa` and `baseline` are our tree loop and our plain loop; `hf` is transformers
+`generate` with the same sampling settings and `hf-pld` its prompt-lookup decoding. A "step"
+is one forward of the backbone (counted with a hook for the transformers modes), the prefill
+included, so tokens per step is the paper's acceleration rate and plain decoding gives 1.0.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from core.errors import UserError
+from core.generate import collect, stream
+from core.settings import DecodeSettings
+from core.step import Drafter
+
+MODES = ("medusa", "baseline", "hf", "hf-pld")
+PLD_TOKENS = 10  # prompt-lookup draft length, the value transformers documents
+
+
+@dataclass(frozen=True)
+class Run:
+    mode: str
+    prompt: int  # index in the prompt file
+    tokens: int
+    steps: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Summary:
+    tokens: int
+    steps: int
+    seconds: float
+    tokens_per_second: float
+    tokens_per_step: float
+    step_ms: float  # mean wall time of one step
+
+
+def check_modes(modes: Iterable[str]) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in modes if m.strip())
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise UserError(
+            f"Unknown bench mode {', '.join(unknown) or '(none)'}; choose from {', '.join(MODES)}."
+        )
+    return modes
+
+
+def run_once(
+    mode: str,
+    model: PreTrainedModel,
+    prompt_ids: list[int],
+    settings: DecodeSettings,
+    drafter: Drafter,
+    eos_ids: tuple[int, ...],
+    seed: int,
+) -> tuple[int, int, float]:
+    """(tokens, steps, seconds) of one reply in one mode."""
+    if mode in ("medusa", "baseline"):
+        generator = torch.Generator(model.device).manual_seed(seed)
+        _, done = collect(
+            stream(
+                model,
+                prompt_ids,
+                settings,
+                drafter if mode == "medusa" else None,
+                None,
+                eos_ids,
+                generator,
+            )
+        )
+        return len(done.token_ids), done.steps, done.seconds
+    return _run_hf(mode, model, prompt_ids, settings, eos_ids, seed)
+
+
+def _run_hf(
+    mode: str,
+    model: PreTrainedModel,
+    prompt_ids: list[int],
+    settings: DecodeSettings,
+    eos_ids: tuple[int, ...],
+    seed: int,
+) -> tuple[int, int, float]:
+    sampling = settings.temperature > 0
+    options = {
+        "max_new_tokens": settings.max_new_tokens,
+        "do_sample": sampling,
+        "temperature": settings.temperature if sampling else None,
+        "top_p": settings.top_p if sampling else None,
+        "top_k": settings.top_k if sampling else None,
+        "eos_token_id": list(eos_ids) or None,
+        "pad_token_id": eos_ids[0] if eos_ids else None,
+    }
+    if mode == "hf-pld":
+        options["prompt_lookup_num_tokens"] = PLD_TOKENS
+    calls = [0]
+    hook = model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    try:
+        torch.manual_seed(seed)
+        ids = torch.tensor([prompt_ids], device=model.device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **options)
+        seconds = time.perf_counter() - start
+    finally:
+        hook.remove()
+    return out.shape[1] - len(prompt_ids), calls[0], seconds
+
+
+def run_bench(
+    prompts: list[list[int]],
+    modes: tuple[str, ...],
+    model: PreTrainedModel,
+    settings: DecodeSettings,
+    drafter: Drafter,
+    eos_ids: tuple[int, ...],
+    seed: int = 0,
+    progress: Callable[[Run], None] = lambda run: None,
+) -> list[Run]:
+    """Warm every mode up, then run each prompt through every mode in turn."""
+    warm = DecodeSettings(**{**asdict(settings), "max_new_tokens": 8})
+    for mode in modes:
+        run_once(mode, model, prompts[0], warm, drafter, eos_ids, seed)
+    runs = []
+    for i, ids in enumerate(prompts):
+        for mode in modes:
+            run = Run(mode, i, *run_once(mode, model, ids, settings, drafter, eos_ids, seed + i))
+            progress(run)
+            runs.append(run)
+    return runs
+
+
+def summarize(runs: list[Run]) -> dict[str, Summary]:
+    out = {}
+    for mode in dict.fromkeys(r.mode for r in runs):
+        mine = [r for r in runs if r.mode == mode]
+        tokens, steps = sum(r.tokens for r in mine), sum(r.steps for r in mine)
+        seconds = sum(r.seconds for r in mine)
+        out[mode] = Summary(tokens, steps, seconds, tokens / seconds, tokens / steps, 1000 * seconds / steps)
+    return out
+
+
+def speedups(summary: dict[str, Summary], of: str = "medusa") -> dict[str, float]:
+    """Tokens/s of `of` divided by each other mode's."""
+    if of not in summary:
+        return {}
+    mine = summary[of].tokens_per_second
+    return {m: mine / s.tokens_per_second for m, s in summary.items() if m != of}
+
+
+WIDTHS = (10, 8, 8, 10, 9, 9, 8, 10)
+
+
+def table(summary: dict[str, Summary]) -> str:
+    speed = speedups(summary)
+    header = ("mode", "tokens", "steps", "tok/step", "step ms", "seconds", "tok/s", "medusa ×")
+    lines = ["".join(f"{h:<10}" if i == 0 else f"{h:>{WIDTHS[i]}}" for i, h in enumerate(header))]
+    for mode, s in summary.items():
+        ratio = f"{speed[mode]:.2f}×" if mode in speed else "—"
+        lines.append(
+            f"{mode:<10}{s.tokens:>8}{s.steps:>8}{s.tokens_per_step:>10.2f}{s.step_ms:>9.1f}"
+            f"{s.seconds:>9.1f}{s.tokens_per_second:>8.1f}{ratio:>10}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,161 @@
+"""The generation loop as a stream of frozen step events.
+
+`stream` yields one `StepEvent` per decoding step (the prefill counts as step 1, which makes
+the backbone's first token) and a final `Finished`. Plain decoding is the same loop with a
+drafter that proposes nothing, so the two always report comparable numbers. The UI, the CLI,
+the benchmark and the tests all consume this stream; `collect` gathers it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from core import cache as kv
+from core.errors import UserError
+from core.settings import DecodeSettings
+from core.step import Drafter, NoDrafter, accept, commit, first_token, prefill, verify
+from core.text import Decoder, Detokenizer
+
+FINISH_REASONS = ("eos", "stop", "length", "cancelled")
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    step: int  # 1-based; step 1 is the prefill
+    token_ids: tuple[int, ...]  # new tokens: accepted drafts, then the backbone's own token
+    text: str  # decoded text delta (may be empty while a character is incomplete)
+    accepted: int  # drafted tokens accepted in this step
+    path: tuple[int, ...]  # accepted tree nodes, root first
+    draft: tuple[int, ...]  # the tree's tokens as verified (empty for the prefill)
+    tree_size: int  # nodes in this step's verify forward (0 for the prefill)
+    seconds: float  # wall time of the step
+    tokens_per_second: float  # running rate of the reply since the prompt was sent
+
+
+@dataclass(frozen=True)
+class Finished:
+    token_ids: tuple[int, ...]  # the whole reply (an EOS token included if one ended it)
+    text: str
+    steps: int  # decoding steps, prefill included
+    seconds: float  # wall time from the prompt to the last token
+    first_token_seconds: float  # time to first token (the prefill)
+    finish_reason: str  # one of FINISH_REASONS
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return len(self.token_ids) / self.steps if self.steps else 0.0
+
+
+def stream(
+    model: PreTrainedModel,
+    prompt_ids: list[int],
+    settings: DecodeSettings,
+    drafter: Drafter | None = None,
+    tokenizer: Decoder | None = None,
+    eos_ids: Iterable[int] = (),
+    generator: torch.Generator | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> Iterator[StepEvent | Finished]:
+    """Decode a reply to `prompt_ids`, one event per step. Cancellation is checked between steps."""
+    device = model.device
+    drafter = drafter or NoDrafter(device)
+    eos = set(eos_ids)
+    if not prompt_ids:
+        raise UserError("The prompt is empty; type a message first.")
+    context = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+    if len(prompt_ids) >= context:
+        raise UserError(
+            f"The prompt is {len(prompt_ids)} tokens but the model reads at most {context}; "
+            "shorten it or start a new chat."
+        )
+    limit = min(settings.max_new_tokens, context - len(prompt_ids))
+    detok = Detokenizer(tokenizer)
+    out: list[int] = []
+    start = time.perf_counter()
+    cache = kv.new_cache()
+
+    def event(step: int, new: list[int], accepted: int, path: Tensor, draft: Tensor, t0: float) -> StepEvent:
+        now = time.perf_counter()
+        return StepEvent(
+            step, tuple(new), detok.push(new), accepted, tuple(path.tolist()), tuple(draft.tolist()),
+            draft.numel(), now - t0, len(out) / (now - start),
+        )  # fmt: skip
+
+    with torch.inference_mode():
+        # 1) prefill: the prompt into the cache, the backbone's first token
+        fwd = prefill(model, cache, torch.tensor(prompt_ids, device=device))
+        root = first_token(fwd, settings, generator)
+        hidden = fwd.hidden[-1]
+        new, reason = _trim([int(root)], out, eos, limit)
+        out += new
+        history = [*prompt_ids, *new]
+        first_token_seconds = time.perf_counter() - start
+        yield event(1, new, 0, torch.zeros(1, dtype=torch.long), torch.zeros(0), start)
+        reason = reason or _stopped(detok.text, settings.stop)
+
+        # 2) decode: propose → verify → accept → commit, until EOS, a stop string or the limit
+        step = 1
+        while reason is None:
+            if should_stop():
+                reason = "cancelled"
+                break
+            t0 = time.perf_counter()
+            step += 1
+            prefix_len = kv.length(cache)
+            draft = drafter.propose(hidden, root, history)
+            fwd = verify(model, cache, draft)
+            result = accept(fwd, draft, settings, generator)
+            commit(cache, prefix_len, result)
+            hidden, root = fwd.hidden[result.path[-1]], result.next_token
+            tokens = torch.cat([draft.tokens[result.path[1:]], root.view(1)]).tolist()
+            new, reason = _trim(tokens, out, eos, limit)
+            out += new
+            history += new
+            yield event(step, new, result.accepted, result.path, draft.tokens, t0)
+            reason = reason or _stopped(detok.text, settings.stop)
+
+    # 3) finish
+    detok.flush()
+    text = _cut_at_stop(detok.text, settings.stop)
+    seconds = time.perf_counter() - start
+    yield Finished(tuple(out), text, step, seconds, first_token_seconds, reason)
+
+
+def _trim(tokens: list[int], out: list[int], eos: set[int], limit: int) -> tuple[list[int], str | None]:
+    """Cut a step's tokens at the first EOS (kept) or at the length limit."""
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1], "eos"
+    room = limit - len(out)
+    if len(tokens) >= room:
+        return tokens[:room], "length"
+    return tokens, None
+
+
+def _stopped(text: str, stop: tuple[str, ...]) -> str | None:
+    return "stop" if any(s in text for s in stop) else None
+
+
+def _cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
+    cuts = [text.find(s) for s in stop if s in text]
+    return text[: min(cuts)] if cuts else text
+
+
+def collect(events: Iterable[StepEvent | Finished]) -> tuple[list[StepEvent], Finished]:
+    """Run a stream to the end: its step events and the final summary."""
+    steps: list[StepEvent] = []
+    for e in events:
+        if isinstance(e, Finished):
+            return steps, e
+        steps.append(e)
+    raise RuntimeError("the stream ended without a Finished event")

@@ -1,0 +1,117 @@
+"""One decode step: propose → verify → accept → commit, each a named function.
+
+`verify` runs one forward of every tree node through the model's own attention, with
+position ids = prefix length + depth and a 4D float mask, and returns the backbone's logits
+and last hidden states at every node. The only state mutated is the cache passed in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache, PreTrainedModel
+
+from core import cache as kv
+from core.acceptance import Acceptance, accept_greedy, accept_sampling, accept_typical
+from core.sampling import probabilities
+from core.settings import DecodeSettings
+from core.tree import TreeBuffers, build_tree
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: Tensor  # (T,) token of each tree node; tokens[0] is the root
+    tree: TreeBuffers
+
+
+class Drafter(Protocol):
+    """Anything that turns the backbone's state into a tree of candidate tokens."""
+
+    def propose(self, hidden: Tensor, root: Tensor, history: Sequence[int]) -> Draft:
+        """hidden: (H,) last hidden state at the last committed position; root: () the
+        backbone's next token (the tree's root); history: prompt and reply so far, root last."""
+        ...
+
+
+class NoDrafter:
+    """Plain decoding: a tree of the root alone, one token per step."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.tree = build_tree([]).to(device)
+
+    def propose(self, hidden: Tensor, root: Tensor, history: Sequence[int] = ()) -> Draft:
+        return Draft(root.view(1), self.tree)
+
+
+@dataclass(frozen=True)
+class Forward:
+    logits: Tensor  # (T, V) the backbone's next-token logits at each input position
+    hidden: Tensor  # (T, H) last hidden state (after the final norm) at each position
+
+
+def _project(model: PreTrainedModel, hidden: Tensor) -> Tensor:
+    logits = model.get_output_embeddings()(hidden)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def prefill(model: PreTrainedModel, cache: DynamicCache, ids: Tensor) -> Forward:
+    """Run the prompt (n,) into the cache; logits and hidden state of its last position."""
+    out = model.base_model(input_ids=ids.view(1, -1), past_key_values=cache, use_cache=True)
+    hidden = out.last_hidden_state[0, -1:]  # (1, H)
+    return Forward(_project(model, hidden), hidden)
+
+
+def verify(model: PreTrainedModel, cache: DynamicCache, draft: Draft) -> Forward:
+    """One forward over every tree node on top of the committed prefix in `cache`."""
+    past = kv.length(cache)
+    tree = draft.tree
+    positions = (tree.depth + past).view(1, -1)
+    # A chain of one token needs no mask: plain causal attention is the same and faster.
+    mask = None if tree.size == 1 else tree.attention_mask(past, model.dtype)
+    out = model.base_model(
+        input_ids=draft.tokens.view(1, -1),
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+    )
+    hidden = out.last_hidden_state[0]  # (T, H)
+    return Forward(_project(model, hidden), hidden)
+
+
+def accept(
+    forward: Forward, draft: Draft, settings: DecodeSettings, generator: torch.Generator | None
+) -> Acceptance:
+    """Apply the configured acceptance rule to a verified draft."""
+    if settings.acceptance == "typical":
+        return accept_typical(
+            forward.logits,
+            draft.tokens,
+            draft.tree,
+            settings.temperature,
+            settings.epsilon,
+            settings.delta,
+        )
+    if settings.temperature == 0:
+        return accept_greedy(forward.logits, draft.tokens, draft.tree)
+    return accept_sampling(forward.logits, draft.tokens, draft.tree, sampler(settings), generator)
+
+
+def sampler(settings: DecodeSettings) -> Callable[[Tensor], Tensor]:
+    return lambda logits: probabilities(logits, settings.temperature, settings.top_k, settings.top_p)
+
+
+def first_token(forward: Forward, settings: DecodeSettings, generator: torch.Generator | None) -> Tensor:
+    """The backbone's token after the prompt, chosen by the same rule as every later one."""
+    root_only = NoDrafter(forward.logits.device).propose(forward.hidden[-1], torch.tensor(0))
+    return accept(forward, root_only, settings, generator).next_token
+
+
+def commit(cache: DynamicCache, prefix_len: int, result: Acceptance) -> None:
+    """Keep only the accepted path's entries after the prefix."""
+    kv.keep_path(cache, prefix_len, result.path)

@@ -1,0 +1,136 @@
+"""Medusa heads: K residual blocks on the backbone's last hidden state, each with a projection.
+
+Head k (0-based) predicts the token k + 2 positions after the hidden state's own token, one
+more than the backbone's lm_head. A head is `n` blocks of `h + SiLU(W h + b)` followed by its
+own vocabulary projection, or by the backbone's lm_head (shared, far smaller on disk).
+
+Files: `medusa_lm_head.safetensors` with the FasterDecoding key layout `{head}.{layer}.linear.
+{weight,bias}` and, for own projections, `{head}.{layers}.weight`; plus `config.json`. The
+number of heads and layers is read from the tensors, never trusted from the config.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from core.errors import UserError
+
+WEIGHTS = "medusa_lm_head.safetensors"
+CONFIG = "config.json"
+
+
+class ResBlock(nn.Module):
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)  # Medusa's init: the block starts as the identity
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        num_heads: int = 4,
+        num_layers: int = 1,
+        shared_lm_head: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+        self.num_heads, self.num_layers = num_heads, num_layers
+        own = shared_lm_head is None
+
+        def head() -> nn.Sequential:
+            blocks: list[nn.Module] = [ResBlock(hidden_size) for _ in range(num_layers)]
+            return nn.Sequential(*blocks, *([nn.Linear(hidden_size, vocab_size, bias=False)] if own else []))
+
+        self.heads = nn.ModuleList(head() for _ in range(num_heads))
+        # Held outside the module tree so it is neither saved nor trained with the heads.
+        self._shared = (shared_lm_head,) if shared_lm_head is not None else None
+
+    @property
+    def shared(self) -> bool:
+        return self._shared is not None
+
+    def forward(self, hidden: Tensor, count: int | None = None) -> Tensor:
+        """(…, H) → (…, count, V) logits of the first `count` heads."""
+        heads = self.heads[: count or self.num_heads]
+        if self._shared is None:
+            return torch.stack([h(hidden) for h in heads], dim=-2)
+        states = torch.stack([h(hidden) for h in heads], dim=-2)  # (…, count, H)
+        return self._shared[0](states)  # one matmul for all heads
+
+    def save(self, folder: str | Path, base_model: str = "") -> None:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {k.removeprefix("heads."): v.contiguous() for k, v in self.state_dict().items()}
+        save_file(tensors, folder / WEIGHTS)
+        config = {
+            "medusa_num_heads": self.num_heads,
+            "medusa_num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "shared_lm_head": self.shared,
+            "base_model_name_or_path": base_model,
+        }
+        (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+_BLOCK = re.compile(r"^(\d+)\.(\d+)\.linear\.weight$")
+_PROJ = re.compile(r"^(\d+)\.(\d+)\.weight$")
+
+
+def load_heads(folder: str | Path, lm_head: nn.Module, model_name: str = "this model") -> MedusaHeads:
+    """Heads from `folder` for a backbone whose output projection is `lm_head` (V, H)."""
+    folder = Path(folder).expanduser()
+    file = folder / WEIGHTS
+    if not file.is_file():
+        raise UserError(f"No Medusa heads in {folder}: expected {WEIGHTS} there.")
+    try:
+        tensors = load_file(file)
+    except Exception as e:  # safetensors raises several types for a damaged file
+        raise UserError(f"The heads file {file} is damaged ({e}); download or train it again.") from e
+    config = _read_config(folder)
+
+    blocks = {(int(m[1]), int(m[2])): t for k, t in tensors.items() if (m := _BLOCK.match(k))}
+    if not blocks:
+        raise UserError(f"{file} holds no Medusa head tensors ('0.0.linear.weight' and so on).")
+    num_heads = 1 + max(h for h, _ in blocks)
+    num_layers = 1 + max(layer for _, layer in blocks)
+    if len(blocks) != num_heads * num_layers:
+        raise UserError(f"{file} has heads with different numbers of layers; it is not a Medusa heads file.")
+    projections = {int(m[1]) for k in tensors if (m := _PROJ.match(k)) and int(m[2]) == num_layers}
+    own = len(projections) == num_heads
+
+    hidden = blocks[(0, 0)].shape[1]
+    vocab = tensors[f"0.{num_layers}.weight"].shape[0] if own else config.get("vocab_size")
+    model_vocab, model_hidden = lm_head.weight.shape
+    if hidden != model_hidden or (vocab is not None and vocab != model_vocab):
+        raise UserError(
+            f"The heads in {folder} were made for a model with hidden size {hidden} and vocabulary "
+            f"{vocab}, but {model_name} has {model_hidden} and {model_vocab}; use heads trained for "
+            "this model."
+        )
+    heads = MedusaHeads(model_hidden, model_vocab, num_heads, num_layers, None if own else lm_head)
+    heads.load_state_dict({f"heads.{k}": v for k, v in tensors.items()}, strict=True)
+    return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype).eval()
+
+
+def _read_config(folder: Path) -> dict:
+    try:
+        config = json.loads((folder / CONFIG).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{folder / CONFIG} is not readable JSON ({e}); fix or delete it.") from e
+    return config if isinstance(config, dict) else {}

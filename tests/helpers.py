@@ -1,0 +1,68 @@
+"""Tiny models built from configs and test drafters: no downloads, no weights on disk."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from core.generate import collect, stream
+from core.settings import DecodeSettings
+from core.step import Draft
+from core.tree import TreeBuffers
+
+ARCHS = ("llama", "qwen2")
+
+
+def tiny_model(arch: str = "llama", vocab: int = 96, seed: int = 0):
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.1,  # peakier logits than the default 0.02: fewer near-ties
+    )
+    if arch == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common)).eval()
+    if arch == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False)).eval()
+    raise ValueError(arch)
+
+
+def plain_tokens(
+    model, prompt: list[int], n: int, settings: DecodeSettings | None = None, generator=None
+) -> list[int]:
+    settings = settings or DecodeSettings(max_new_tokens=n)
+    _, done = collect(stream(model, prompt, settings, None, generator=generator))
+    return list(done.token_ids)
+
+
+class OracleDrafter:
+    """Knows the true continuation and hides it at a random rank (or nowhere) at each depth.
+
+    Accepted paths then have every length and run through later branches, so the commit must
+    move non-adjacent cache entries.
+    """
+
+    def __init__(self, reference: list[int], tree: TreeBuffers, vocab: int, seed: int = 0) -> None:
+        self.reference, self.tree, self.vocab = reference, tree, vocab
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def propose(self, hidden: Tensor, root: Tensor, history: Sequence[int]) -> Draft:
+        pos = len(history)  # index in `reference` of the token after the root
+        k = max(self.tree.top_k, 1)
+        # the rank holding the right token at each depth; k means "not in the tree"
+        right = torch.randint(0, k + 1, (self.tree.max_depth + 1,), generator=self.rng).tolist()
+        tokens = [int(root)]
+        for path in self.tree.paths:
+            d = len(path)
+            truth = self.reference[pos + d - 1] if pos + d - 1 < len(self.reference) else 0
+            on_track = all(path[i] == right[i] for i in range(d))
+            tokens.append(truth if on_track else (truth + 1 + path[-1]) % self.vocab)
+        return Draft(torch.tensor(tokens), self.tree)
