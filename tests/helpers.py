@@ -44,10 +44,10 @@ def plain_tokens(
 
 
 class OracleDrafter:
-    """Knows the true continuation and hides it at a random rank (or nowhere) at each depth.
+    """Knows the true continuation and places it along the path to a random node of the tree.
 
-    Accepted paths then have every length and run through later branches, so the commit must
-    move non-adjacent cache entries.
+    Greedy decoding must then accept exactly that path: every length, through any branch, so
+    the commit has to move non-adjacent cache entries.
     """
 
     def __init__(self, reference: list[int], tree: TreeBuffers, vocab: int, seed: int = 0) -> None:
@@ -56,13 +56,12 @@ class OracleDrafter:
 
     def propose(self, hidden: Tensor, root: Tensor, history: Sequence[int]) -> Draft:
         pos = len(history)  # index in `reference` of the token after the root
-        k = max(self.tree.top_k, 1)
-        # the rank holding the right token at each depth; k means "not in the tree"
-        right = torch.randint(0, k + 1, (self.tree.max_depth + 1,), generator=self.rng).tolist()
+        target = int(torch.randint(0, self.tree.size, (), generator=self.rng))
+        on_track = self.tree.visible[target]  # (T,) the target and its ancestors
         tokens = [int(root)]
-        for path in self.tree.paths:
+        for node, path in enumerate(self.tree.paths, start=1):
             d = len(path)
             truth = self.reference[pos + d - 1] if pos + d - 1 < len(self.reference) else 0
-            on_track = all(path[i] == right[i] for i in range(d))
-            tokens.append(truth if on_track else (truth + 1 + path[-1]) % self.vocab)
+            # siblings stay distinct: only one of them can be on track, the rest are offset by rank
+            tokens.append(truth if on_track[node] else (truth + 1 + path[-1]) % self.vocab)
         return Draft(torch.tensor(tokens), self.tree)

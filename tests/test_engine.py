@@ -1,0 +1,191 @@
+"""The decode loop on tiny random models: exactness against plain decoding, cache, events."""
+
+from collections import Counter
+from itertools import product
+
+import pytest
+import torch
+
+from core import cache as kv
+from core.drafters import MedusaDrafter
+from core.generate import Finished, StepEvent, collect, stream
+from core.settings import DecodeSettings
+from core.step import accept, commit, prefill, verify
+from core.tree import build_tree, load_tree
+from models.heads import MedusaHeads
+from tests.helpers import ARCHS, OracleDrafter, plain_tokens, tiny_model
+from tests.stats import chi_square_p_value
+
+PROMPT = [1, 17, 33, 5, 60, 2, 41]
+TREES = ["chain-4", "cpu-8", "cpu-32", "mc_sim_7b_63", "custom"]
+
+
+def tree_named(name: str):
+    if name == "custom":  # deep and narrow with a late branch
+        return build_tree([[0], [1], [1, 0], [1, 0, 0], [1, 0, 1], [1, 0, 0, 0]])
+    return load_tree(name)[1]
+
+
+def random_heads(model, num_heads=4, seed=0) -> MedusaHeads:
+    torch.manual_seed(seed)
+    heads = MedusaHeads(model.config.hidden_size, model.config.vocab_size, num_heads, 1, model.lm_head)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return heads.eval()
+
+
+@pytest.mark.parametrize(("arch", "tree_name"), list(product(ARCHS, TREES)))
+def test_greedy_tree_decoding_equals_plain_greedy(arch, tree_name):
+    model = tiny_model(arch)
+    n = 40
+    reference = plain_tokens(model, PROMPT, n + 8)
+    tree = tree_named(tree_name)
+    drafter = OracleDrafter(PROMPT + reference, tree, model.config.vocab_size, seed=1)
+    events, done = collect(stream(model, PROMPT, DecodeSettings(max_new_tokens=n), drafter))
+    assert list(done.token_ids) == reference[:n]
+    accepted = [e.accepted for e in events]
+    assert max(accepted) >= 2 and len(events) < n  # drafts were really accepted, deep ones too
+    if tree.top_k > 1:  # and paths off the first branch
+        assert any(e.path != tuple(range(len(e.path))) for e in events)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_with_real_heads_equals_plain_greedy(arch):
+    model = tiny_model(arch)
+    reference = plain_tokens(model, PROMPT, 30)
+    drafter = MedusaDrafter(random_heads(model), load_tree("mc_sim_7b_63")[1])
+    _, done = collect(stream(model, PROMPT, DecodeSettings(max_new_tokens=30), drafter))
+    assert list(done.token_ids) == reference
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_tree_forward_matches_sequential_forwards(attn):
+    """Each node's logits equal those of a plain run over its path (both attention kernels)."""
+    model = tiny_model("llama")
+    model.config._attn_implementation = attn
+    tree = tree_named("cpu-8")
+    tokens = torch.randint(0, 96, (tree.size,), generator=torch.Generator().manual_seed(0))
+    cache = kv.new_cache()
+    prefill(model, cache, torch.tensor(PROMPT))
+    from core.step import Draft
+
+    fwd = verify(model, cache, Draft(tokens, tree))
+    for node in range(tree.size):
+        path = tokens[tree.path_to(node)].tolist()
+        plain = model(torch.tensor([PROMPT + path])).logits[0, -1]
+        torch.testing.assert_close(fwd.logits[node], plain, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cache_after_commit_equals_plain_cache(arch):
+    model = tiny_model(arch)
+    reference = plain_tokens(model, PROMPT, 12)
+    tree = tree_named("custom")
+    drafter = OracleDrafter(PROMPT + reference, tree, model.config.vocab_size, seed=3)
+    settings = DecodeSettings()
+    cache = kv.new_cache()
+    fwd = prefill(model, cache, torch.tensor(PROMPT))
+    root = fwd.logits[-1].argmax()
+    committed = list(PROMPT)
+    with torch.inference_mode():
+        for _ in range(4):
+            prefix = kv.length(cache)
+            draft = drafter.propose(fwd.hidden[-1], root, committed + [int(root)])
+            fwd = verify(model, cache, draft)
+            result = accept(fwd, draft, settings, None)
+            commit(cache, prefix, result)
+            committed += draft.tokens[result.path].tolist()
+            root = result.next_token
+    assert kv.length(cache) == len(committed)
+    plain = kv.new_cache()
+    model(torch.tensor([committed]), past_key_values=plain, use_cache=True)
+    for ours, theirs in zip(cache.layers, plain.layers, strict=True):
+        torch.testing.assert_close(ours.keys, theirs.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours.values, theirs.values, atol=1e-5, rtol=1e-5)
+
+
+def test_lossless_sampling_reproduces_plain_sampling_for_the_same_seed():
+    """One draw per emitted token, in order: the same generator gives the same reply."""
+    model = tiny_model("llama")
+    settings = DecodeSettings(temperature=0.8, top_p=0.95, max_new_tokens=40)
+    plain = plain_tokens(model, PROMPT, 40, settings, torch.Generator().manual_seed(7))
+    drafter = MedusaDrafter(random_heads(model), load_tree("mc_sim_7b_63")[1])
+    _events, done = collect(
+        stream(model, PROMPT, settings, drafter, generator=torch.Generator().manual_seed(7))
+    )
+    assert list(done.token_ids) == plain
+
+
+def test_lossless_sampling_distribution_on_a_model():
+    """Chi-square of the first three tokens against the model's exact probabilities."""
+    vocab = 6
+    model = tiny_model("llama", vocab=vocab, seed=2)
+    prompt = [1, 4, 2]
+    tree = build_tree([[0], [1], [2], [0, 0], [0, 1], [1, 0]])
+    heads = random_heads(model, num_heads=2, seed=5)
+    drafter = MedusaDrafter(heads, tree)
+    settings = DecodeSettings(temperature=1.0, max_new_tokens=3)
+
+    with torch.inference_mode():
+        seqs = torch.tensor([prompt + [a, b] for a in range(vocab) for b in range(vocab)])
+        logp = model(seqs).logits.log_softmax(-1)  # (36, L, V)
+    exact = {}
+    for i, (a, b) in enumerate(product(range(vocab), repeat=2)):
+        for c in range(vocab):
+            exact[(a, b, c)] = float((logp[i, 2, a] + logp[i, 3, b] + logp[i, 4, c]).exp())
+
+    gen = torch.Generator().manual_seed(11)
+    n = 3000
+    counts, accepted = Counter(), 0
+    for _ in range(n):
+        events, done = collect(stream(model, prompt, settings, drafter, generator=gen))
+        counts[done.token_ids] += 1
+        accepted += sum(e.accepted for e in events)
+    assert accepted > n // 3  # the tree was really used
+    assert chi_square_p_value(counts, exact, n) > 1e-3
+
+
+def test_events_add_up_and_text_deltas_concatenate():
+    model = tiny_model("llama")
+    reference = plain_tokens(model, PROMPT, 30)
+    drafter = OracleDrafter(PROMPT + reference, tree_named("cpu-8"), 96, seed=2)
+    decoder = ByteDecoder()
+    events, done = collect(stream(model, PROMPT, DecodeSettings(max_new_tokens=30), drafter, decoder))
+    assert all(isinstance(e, StepEvent) for e in events) and isinstance(done, Finished)
+    assert sum(len(e.token_ids) for e in events) == len(done.token_ids) == 30
+    assert [e.step for e in events] == list(range(1, len(events) + 1)) and done.steps == len(events)
+    assert "".join(e.text for e in events) == done.text == decoder.decode(list(done.token_ids))
+    assert events[0].tree_size == 0 and events[0].accepted == 0
+    for e in events[1:-1]:
+        assert e.path[0] == 0 and len(e.token_ids) == e.accepted + 1 == len(e.path)
+        assert e.tree_size == 9 and len(e.draft) == 9
+    assert done.finish_reason == "length" and done.tokens_per_step == 30 / len(events)
+
+
+def test_finish_reasons():
+    model = tiny_model("llama")
+    reference = plain_tokens(model, PROMPT, 30)
+    drafter = OracleDrafter(PROMPT + reference, tree_named("cpu-8"), 96, seed=2)
+
+    eos = reference[10]
+    first = reference.index(eos)
+    _, done = collect(stream(model, PROMPT, DecodeSettings(max_new_tokens=30), drafter, eos_ids=[eos]))
+    assert done.finish_reason == "eos" and list(done.token_ids) == reference[: first + 1]
+
+    calls = []
+    should_stop = lambda: calls.append(1) or len(calls) > 2  # noqa: E731
+    events, done = collect(stream(model, PROMPT, DecodeSettings(), drafter, should_stop=should_stop))
+    assert done.finish_reason == "cancelled" and len(events) == 3
+
+    decoder = ByteDecoder()
+    stop = decoder.decode(reference[12:14])
+    _, done = collect(stream(model, PROMPT, DecodeSettings(stop=(stop,)), drafter, decoder))
+    assert done.finish_reason == "stop" and stop not in done.text
+    assert done.text == decoder.decode(reference)[: decoder.decode(reference).index(stop)]
+
+
+class ByteDecoder:
+    """Token id i is the letter chr(ord('a') + i % 26): enough to test text handling."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i % 26) for i in ids)

@@ -1,0 +1,84 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from core.errors import UserError
+from models.heads import CONFIG, WEIGHTS, MedusaHeads, load_heads
+
+H, V = 32, 50
+
+
+def lm_head() -> torch.nn.Linear:
+    torch.manual_seed(0)
+    return torch.nn.Linear(H, V, bias=False)
+
+
+def randomized(heads: MedusaHeads) -> MedusaHeads:
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return heads
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("layers", [1, 2])
+def test_save_load_round_trip_gives_the_same_logits(tmp_path, shared, layers):
+    head = lm_head()
+    heads = randomized(
+        MedusaHeads(H, V, num_heads=3, num_layers=layers, shared_lm_head=head if shared else None)
+    )
+    heads.save(tmp_path)
+    loaded = load_heads(tmp_path, head)
+    assert (loaded.num_heads, loaded.num_layers, loaded.shared) == (3, layers, shared)
+    h = torch.randn(5, H)
+    torch.testing.assert_close(loaded(h), heads(h), rtol=0, atol=0)
+    assert loaded(h).shape == (5, 3, V) and loaded(h[0], count=2).shape == (2, V)
+
+
+def test_layout_is_the_medusa_one_and_the_shared_head_is_not_saved(tmp_path):
+    MedusaHeads(H, V, 2, 1, lm_head()).save(tmp_path)
+    keys = set(load_file(tmp_path / WEIGHTS))
+    assert keys == {"0.0.linear.weight", "0.0.linear.bias", "1.0.linear.weight", "1.0.linear.bias"}
+    MedusaHeads(H, V, 1, 1, None).save(tmp_path / "own")
+    assert "0.1.weight" in load_file(tmp_path / "own" / WEIGHTS)
+
+
+def test_head_and_layer_counts_come_from_the_tensors(tmp_path):
+    randomized(MedusaHeads(H, V, num_heads=5, num_layers=1, shared_lm_head=None)).save(tmp_path)
+    config = json.loads((tmp_path / CONFIG).read_text())
+    config["medusa_num_heads"], config["medusa_num_layers"] = 2, 3
+    (tmp_path / CONFIG).write_text(json.dumps(config))
+    loaded = load_heads(tmp_path, lm_head())
+    assert (loaded.num_heads, loaded.num_layers) == (5, 1)
+
+
+def test_head_k_uses_its_own_block():
+    heads = randomized(MedusaHeads(H, V, 3, 1, lm_head()))
+    h = torch.randn(H)
+    for k in range(3):
+        torch.testing.assert_close(heads(h)[k], heads._shared[0](heads.heads[k](h)))
+
+
+def test_heads_for_another_model_are_refused(tmp_path):
+    MedusaHeads(H, V, 2, 1, lm_head()).save(tmp_path / "hidden")
+    other_hidden = torch.nn.Linear(H * 2, V, bias=False)
+    with pytest.raises(UserError, match="hidden size 32 and vocabulary 50, but tiny has 64 and 50"):
+        load_heads(tmp_path / "hidden", other_hidden, "tiny")
+    MedusaHeads(H, V, 2, 1, None).save(tmp_path / "vocab")
+    with pytest.raises(UserError, match=r"vocabulary 50, but .* 32 and 60"):
+        load_heads(tmp_path / "vocab", torch.nn.Linear(H, 60, bias=False))
+    MedusaHeads(H, V, 2, 1, lm_head()).save(tmp_path / "shared")
+    with pytest.raises(UserError, match="vocabulary 50"):
+        load_heads(tmp_path / "shared", torch.nn.Linear(H, 60, bias=False))
+
+
+def test_missing_damaged_and_foreign_files_are_refused(tmp_path):
+    with pytest.raises(UserError, match="No Medusa heads"):
+        load_heads(tmp_path, lm_head())
+    (tmp_path / WEIGHTS).write_bytes(b"not a safetensors file")
+    with pytest.raises(UserError, match="damaged"):
+        load_heads(tmp_path, lm_head())
+    save_file({"embed.weight": torch.zeros(2, 2)}, tmp_path / WEIGHTS)
+    with pytest.raises(UserError, match="no Medusa head tensors"):
+        load_heads(tmp_path, lm_head())
