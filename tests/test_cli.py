@@ -1,0 +1,130 @@
+"""The command line on the embedded SmolLM2 model (converted once per machine, ~25 s)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from models.heads import MedusaHeads
+
+pytestmark = pytest.mark.embedded
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about rain.",
+    "List three uses of a paperclip.",
+]
+
+
+def cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "app.main", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def random_heads_dir(tmp_path_factory) -> str:
+    """Randomly initialised shared-lm_head heads for SmolLM2 (576 hidden, 49152 vocabulary)."""
+    folder = tmp_path_factory.mktemp("heads")
+    torch.manual_seed(0)
+    heads = MedusaHeads(576, 49152, num_heads=4, num_layers=1, shared_lm_head=torch.nn.Linear(576, 1))
+    for block in heads.heads:
+        torch.nn.init.normal_(block[0].linear.weight, std=0.05)
+    heads.save(folder)
+    return str(folder)
+
+
+def generate_json(*args: str) -> dict:
+    result = cli("generate", "--json", *args)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("tree", ["cpu-16", "mc_sim_7b_63"])
+def test_medusa_equals_baseline_in_float32_at_temperature_zero(random_heads_dir, tree):
+    for prompt in PROMPTS:
+        common = ["--prompt", prompt, "--dtype", "float32", "--max-new-tokens", "48", "--temperature", "0"]
+        medusa = generate_json(*common, "--mode", "medusa", "--heads", random_heads_dir, "--tree", tree)
+        baseline = generate_json(*common, "--mode", "baseline")
+        (m,), (b,) = medusa["samples"], baseline["samples"]
+        assert m["token_ids"] == b["token_ids"] and m["text"] == b["text"]
+        assert len(m["token_ids"]) == sum(m["steps"]) and len(b["token_ids"]) == sum(b["steps"])
+        assert set(b["steps"]) == {1}
+        assert (medusa["mode"], baseline["mode"], medusa["acceptance"]) == ("medusa", "baseline", "lossless")
+
+
+def test_num_samples_are_independent_and_seeded():
+    args = ["--prompt", "Tell me a story.", "--temperature", "1.0", "--max-new-tokens", "12"]
+    first = generate_json(*args, "--num-samples", "3", "--seed", "5")["samples"]
+    again = generate_json(*args, "--num-samples", "3", "--seed", "5")["samples"]
+    assert len(first) == 3 and [s["token_ids"] for s in first] == [s["token_ids"] for s in again]
+    assert len({tuple(s["token_ids"]) for s in first}) > 1
+
+
+def test_streamed_text_and_summary(random_heads_dir):
+    result = cli("generate", "--prompt", "Say hello.", "--max-new-tokens", "16", "--heads", random_heads_dir)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert "tokens/step" in result.stderr and "finished by" in result.stderr
+
+
+def test_bench_prints_all_four_modes(tmp_path, random_heads_dir):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p, "id": i}) for i, p in enumerate(PROMPTS[:2])))
+    out = tmp_path / "bench.json"
+    result = cli(
+        "bench",
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "16",
+        "--heads",
+        random_heads_dir,
+        "--json",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    table = result.stdout
+    for mode in ("medusa", "baseline", "hf", "hf-pld"):
+        assert any(line.startswith(mode + " ") for line in table.splitlines()), table
+    report = json.loads(out.read_text())
+    for mode in ("medusa", "baseline", "hf", "hf-pld"):
+        s = report["summary"][mode]
+        assert s["tokens"] > 0 and s["steps"] > 0 and s["seconds"] > 0
+        assert s["tokens_per_second"] == pytest.approx(s["tokens"] / s["seconds"])
+        assert s["tokens_per_step"] == pytest.approx(s["tokens"] / s["steps"])
+    assert report["summary"]["baseline"]["tokens_per_step"] == 1.0
+    assert set(report["speedup"]) == {"baseline", "hf", "hf-pld"}
+    assert len(report["runs"]) == 8
+
+
+def test_bad_input_gives_one_sentence_and_a_nonzero_exit(tmp_path, random_heads_dir):
+    deep = tmp_path / "deep.json"
+    deep.write_text(json.dumps([[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]]))
+    other = tmp_path / "other-heads"
+    MedusaHeads(64, 49152, 2, 1, None).save(other)
+    bad_prompts = tmp_path / "bad.jsonl"
+    bad_prompts.write_text('{"prompt": "ok"}\nnot json\n')
+    cases = {
+        "empty prompt": (["generate", "--prompt", "  "], "prompt is empty"),
+        "unknown tree": (["generate", "--prompt", "hi", "--tree", "bushy"], "Unknown tree 'bushy'"),
+        "tree too deep": (
+            ["generate", "--prompt", "hi", "--tree", str(deep), "--heads", random_heads_dir],
+            "5 tokens deep but the heads predict only 4",
+        ),
+        "epsilon zero": (["generate", "--prompt", "hi", "--acceptance", "typical", "--epsilon", "0"], "ε"),
+        "foreign heads": (["generate", "--prompt", "hi", "--heads", str(other)], "hidden size 64"),
+        "unknown model": (["generate", "--prompt", "hi", "--model", str(tmp_path / "none")], "Unknown model"),
+        "bad prompt file": (["bench", "--prompts", str(bad_prompts)], "Line 2"),
+        "unknown mode": (["bench", "--prompts", str(bad_prompts), "--modes", "fast"], "Unknown bench mode"),
+    }
+    for name, (args, expected) in cases.items():
+        result = cli(*args)
+        assert result.returncode == 2, (name, result.stderr)
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and expected in errors[0], (name, result.stderr)
+        assert "Traceback" not in result.stderr, name
