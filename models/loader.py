@@ -8,10 +8,14 @@ cache dir and later loads read that in about a second.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import json
 import os
+import platform
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -19,9 +23,10 @@ from pathlib import Path
 
 import platformdirs
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from core.errors import UserError
+from models.cpu import transpose_linears
 from models.heads import MedusaHeads, load_heads
 
 EMBEDDED_ID = "smollm2-135m-instruct"
@@ -72,15 +77,52 @@ def _cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto`: bf16 where the hardware does it natively (fp16 on older GPUs), else fp32."""
+def pick_dtype(name: str, device: torch.device, config: object | None = None) -> torch.dtype:
+    """`auto`: the fastest dtype here. On a GPU bf16 (fp16 where bf16 is emulated); on a CPU
+    with native bf16 (AVX512-BF16 or AMX), whichever of bf16 and fp32 runs the model's matmul
+    shapes faster, timed once and remembered; on other CPUs fp32."""
     if name != "auto":
         if name not in DTYPES:
             raise UserError(f"Unknown dtype '{name}'; choose auto, {', '.join(DTYPES)}.")
         return DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if _cpu_has_bf16() else torch.float32
+    if not _cpu_has_bf16():
+        return torch.float32
+    hidden = getattr(config, "hidden_size", 1024)
+    inner = getattr(config, "intermediate_size", 4 * hidden)
+    return DTYPES[_fastest_cpu_dtype(hidden, inner)]
+
+
+def _fastest_cpu_dtype(hidden: int, inner: int) -> str:
+    """Time a decoder MLP matmul at 1 and 16 tokens in fp32 and bf16; cached per machine."""
+    record = cache_dir() / "cpu-dtype.json"
+    key = (
+        f"{platform.processor() or platform.machine()}|{os.cpu_count()}|{torch.__version__}|{hidden}x{inner}"
+    )
+    try:
+        known = json.loads(record.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return known[key]
+    seconds = {}
+    for dtype in ("float32", "bfloat16"):
+        w = torch.randn(inner, hidden, dtype=DTYPES[dtype])
+        xs = [torch.randn(m, hidden, dtype=DTYPES[dtype]) for m in (1, 16)]
+        for x in xs:  # warm-up
+            torch.nn.functional.linear(x, w)
+        start = time.perf_counter()
+        for _ in range(30):
+            for x in xs:
+                torch.nn.functional.linear(x, w)
+        seconds[dtype] = time.perf_counter() - start
+    best = min(seconds, key=seconds.get)
+    known[key] = best
+    with contextlib.suppress(OSError):
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps(known, indent=1))
+    return best
 
 
 def embedded_gguf() -> Path:
@@ -140,13 +182,19 @@ def resolve_model(name_or_dir: str) -> Path:
 def load_backbone(name_or_dir: str = EMBEDDED_ID, dtype: str = "auto", device: str = "auto") -> Backbone:
     folder = resolve_model(name_or_dir)
     dev = pick_device(device)
-    torch_dtype = pick_dtype(dtype, dev)
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError) as e:
+        raise UserError(f"The model in {folder} has an unreadable config.json ({e}).") from e
+    torch_dtype = pick_dtype(dtype, dev, config.get_text_config())
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(dev).eval()
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as e:
         raise UserError(f"Could not load the model in {folder} ({e}).") from e
     _check_attention(model)
+    if dev.type == "cpu":
+        transpose_linears(model)
     return Backbone(name_or_dir, model, tokenizer, _eos_ids(model, tokenizer))
 
 
