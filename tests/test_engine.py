@@ -189,3 +189,14 @@ class ByteDecoder:
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tree_decoding_on_cuda_equals_plain_greedy(arch):
+    model = tiny_model(arch).to("cuda")
+    reference = plain_tokens(model, PROMPT, 40)
+    tree = tree_named("mc_sim_7b_63").to("cuda")
+    drafter = MedusaDrafter(random_heads(model).to("cuda"), tree)
+    _, done = collect(stream(model, PROMPT, DecodeSettings(max_new_tokens=40), drafter))
+    assert list(done.token_ids) == reference
