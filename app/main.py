@@ -22,8 +22,14 @@ log = logging.getLogger("medusa-chat")
 
 
 def _decoding_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m-instruct", help="catalog id or model folder")
-    p.add_argument("--heads", help="folder with Medusa heads (default: the model's shipped heads)")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="catalog id, hub repo id or model folder")
+    p.add_argument("--heads", help="Medusa heads: a folder or a hub repo id (default: the model's own)")
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "nf4", "int8"],
+        help="auto: 4-bit nf4 on a GPU, none on a CPU",
+    )
     p.add_argument("--acceptance", default="lossless", choices=["lossless", "typical"])
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -57,6 +63,10 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", dest="json_out", metavar="OUT", help="write the results here")
     _decoding_options(bench)
     bench.set_defaults(max_new_tokens=128)
+
+    sub.add_parser("models", help="list the model catalog and what is downloaded")
+    download = sub.add_parser("download", help="fetch a catalog model (backbone and heads)")
+    download.add_argument("id", help="catalog id (see `medusa-chat models`) or hub repo id")
     return root
 
 
@@ -67,9 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     _setup_logging()
     try:
-        if args.command == "generate":
-            return _generate(args)
-        return _bench(args)
+        commands = {"generate": _generate, "bench": _bench, "models": _models, "download": _download}
+        return commands[args.command](args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -112,17 +121,21 @@ def _settings(args: argparse.Namespace):
 
 
 def _setup(args: argparse.Namespace, need_drafter: bool):
-    """Validate cheap things first, then load: (settings, backbone, drafter or None)."""
+    """Validate cheap things first, then load: (settings, backbone, drafter or None, tree name)."""
     from core.drafters import MedusaDrafter
-    from core.tree import load_tree
-    from models.loader import heads_for, load_backbone
+    from core.tree import load_tree, preset_names
+    from models.loader import heads_for, load_backbone, resolve, resolve_heads
 
     settings = _settings(args)
-    tree_name, tree = load_tree(args.tree or _default_tree(args.model))
-    backbone = load_backbone(args.model, args.dtype, args.device)
+    if args.tree:
+        load_tree(args.tree)  # refuse an unknown tree before any download or load
+    spec = resolve(args.model)
+    tree_name, tree = load_tree(args.tree or (spec.tree if spec.tree in preset_names() else "cpu-16"))
+    backbone = load_backbone(args.model, args.dtype, args.device, args.quantization, spec=spec)
     if not need_drafter:
-        return settings, backbone, None
-    heads, trained = heads_for(backbone, args.heads, num_heads=max(tree.max_depth, 4))
+        return settings, backbone, None, tree_name
+    heads_dir = resolve_heads(args.heads) if args.heads else spec.heads_folder
+    heads, trained = heads_for(backbone, heads_dir, num_heads=max(tree.max_depth, 4))
     if not trained:
         print(
             "warning: no trained Medusa heads for this model, so drafts are rarely accepted; "
@@ -130,11 +143,7 @@ def _setup(args: argparse.Namespace, need_drafter: bool):
             file=sys.stderr,
         )
     drafter = MedusaDrafter(heads, tree.to(backbone.model.device), tree_name=f"Tree '{tree_name}'")
-    return settings, backbone, drafter
-
-
-def _default_tree(model: str) -> str:
-    return "cpu-16"
+    return settings, backbone, drafter, tree_name
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -146,7 +155,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise UserError("The prompt is empty; pass --prompt with some text.")
     if args.num_samples < 1:
         raise UserError(f"--num-samples must be at least 1, got {args.num_samples}.")
-    settings, backbone, drafter = _setup(args, need_drafter=args.mode == "medusa")
+    settings, backbone, drafter, _ = _setup(args, need_drafter=args.mode == "medusa")
     prompt_ids = backbone.encode_chat(args.prompt, args.system)
     generator = torch.Generator(backbone.model.device).manual_seed(args.seed)
     painter = _Painter(enabled=not args.json and sys.stdout.isatty())
@@ -244,7 +253,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     modes = check_modes(args.modes.split(","))
     prompts = _read_prompts(args.prompts)
-    settings, backbone, drafter = _setup(args, need_drafter=True)
+    settings, backbone, drafter, tree_name = _setup(args, need_drafter=True)
     encoded = [backbone.encode_chat(p, args.system) for p in prompts]
     print(
         f"bench: {len(prompts)} prompts × {', '.join(modes)} on {args.model} ({backbone.model.dtype})",
@@ -265,7 +274,7 @@ def _bench(args: argparse.Namespace) -> int:
         report = {
             "model": args.model,
             "dtype": str(backbone.model.dtype).removeprefix("torch."),
-            "tree": args.tree or _default_tree(args.model),
+            "tree": tree_name,
             "settings": asdict(settings),
             "prompts": len(prompts),
             "summary": {m: asdict(s) for m, s in summary.items()},
@@ -273,6 +282,38 @@ def _bench(args: argparse.Namespace) -> int:
             "runs": [asdict(r) for r in runs],
         }
         Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from models.catalog import entries
+    from models.hub import cached_state
+
+    print(f"{'id':<26}{'download':>10}{'4-bit mem':>11}  {'state':<14}name")
+    for e in entries():
+        state = (
+            "embedded" if e.embedded else cached_state([s for s in (e.backbone, e.heads, e.tokenizer) if s])
+        )
+        size = "—" if e.embedded else f"{e.download_gb:.1f} GB"
+        print(f"{e.id:<26}{size:>10}{e.memory_gb_4bit:>8.1f} GB  {state:<14}{e.name}")
+    print(
+        "\nFetch one with `medusa-chat download ID`; any hub repo id or local folder also works with --model."
+    )
+    return 0
+
+
+def _download(args: argparse.Namespace) -> int:
+    from models.embedded import EMBEDDED_ID
+    from models.loader import resolve
+
+    if args.id == EMBEDDED_ID:
+        print(f"{EMBEDDED_ID} is embedded; nothing to download.")
+        return 0
+    spec = resolve(args.id)
+    print(
+        f"{args.id} is ready in {spec.folder}"
+        + (f" (heads in {spec.heads_folder})" if spec.heads_folder else "")
+    )
     return 0
 
 

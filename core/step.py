@@ -108,7 +108,9 @@ def sampler(settings: DecodeSettings) -> Callable[[Tensor], Tensor]:
 
 def first_token(forward: Forward, settings: DecodeSettings, generator: torch.Generator | None) -> Tensor:
     """The backbone's token after the prompt, chosen by the same rule as every later one."""
-    root_only = NoDrafter(forward.logits.device).propose(forward.hidden[-1], torch.tensor(0))
+    root_only = NoDrafter(forward.logits.device).propose(
+        forward.hidden[-1], forward.logits.new_zeros((), dtype=torch.long)
+    )
     return accept(forward, root_only, settings, generator).next_token
 
 

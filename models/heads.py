@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from core.errors import UserError
+from models.head_formats import read_head_tensors
 
 WEIGHTS = "medusa_lm_head.safetensors"
 CONFIG = "config.json"
@@ -91,24 +92,20 @@ _PROJ = re.compile(r"^(\d+)\.(\d+)\.weight$")
 
 
 def load_heads(folder: str | Path, lm_head: nn.Module, model_name: str = "this model") -> MedusaHeads:
-    """Heads from `folder` for a backbone whose output projection is `lm_head` (V, H)."""
+    """Heads from `folder` (any published layout) for a backbone whose output projection is
+    `lm_head` (V, H). Head and layer counts come from the tensors; the config is not trusted."""
     folder = Path(folder).expanduser()
-    file = folder / WEIGHTS
-    if not file.is_file():
-        raise UserError(f"No Medusa heads in {folder}: expected {WEIGHTS} there.")
-    try:
-        tensors = load_file(file)
-    except Exception as e:  # safetensors raises several types for a damaged file
-        raise UserError(f"The heads file {file} is damaged ({e}); download or train it again.") from e
+    tensors, layout = read_head_tensors(folder)
     config = _read_config(folder)
+    where = f"{folder} ({layout})"
 
     blocks = {(int(m[1]), int(m[2])): t for k, t in tensors.items() if (m := _BLOCK.match(k))}
     if not blocks:
-        raise UserError(f"{file} holds no Medusa head tensors ('0.0.linear.weight' and so on).")
+        raise UserError(f"{where} holds no Medusa head tensors ('0.0.linear.weight' and so on).")
     num_heads = 1 + max(h for h, _ in blocks)
     num_layers = 1 + max(layer for _, layer in blocks)
     if len(blocks) != num_heads * num_layers:
-        raise UserError(f"{file} has heads with different numbers of layers; it is not a Medusa heads file.")
+        raise UserError(f"{where} has heads with different numbers of layers; it is not a Medusa heads file.")
     projections = {int(m[1]) for k in tensors if (m := _PROJ.match(k)) and int(m[2]) == num_layers}
     own = len(projections) == num_heads
 
@@ -121,8 +118,13 @@ def load_heads(folder: str | Path, lm_head: nn.Module, model_name: str = "this m
             f"{vocab}, but {model_name} has {model_hidden} and {model_vocab}; use heads trained for "
             "this model."
         )
+    wanted = {
+        k: v
+        for k, v in tensors.items()
+        if _BLOCK.match(k) or k.endswith(".linear.bias") or (own and _PROJ.match(k))
+    }
     heads = MedusaHeads(model_hidden, model_vocab, num_heads, num_layers, None if own else lm_head)
-    heads.load_state_dict({f"heads.{k}": v for k, v in tensors.items()}, strict=True)
+    heads.load_state_dict({f"heads.{k}": v for k, v in wanted.items()}, strict=True)
     return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype).eval()
 
 

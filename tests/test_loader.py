@@ -3,7 +3,7 @@ import torch
 
 from core.errors import UserError
 from models.cpu import TransposedLinear, transpose_linears
-from models.loader import pick_dtype, resolve_model
+from models.loader import pick_dtype, resolve
 from tests.helpers import tiny_model
 
 
@@ -30,4 +30,6 @@ def test_dtype_names():
 
 def test_unknown_model_is_refused(tmp_path):
     with pytest.raises(UserError, match="Unknown model"):
-        resolve_model(str(tmp_path))
+        resolve(str(tmp_path))  # a folder without config.json
+    with pytest.raises(UserError, match="Unknown model 'not-a-model'"):
+        resolve("not-a-model")
