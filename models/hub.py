@@ -84,12 +84,14 @@ def plan(
             endpoint=endpoint,
             dry_run=True,
         )
-    except (httpx2.TransportError, OfflineModeIsEnabled, LocalEntryNotFoundError, DryRunError) as e:
+    except DryRunError as e:  # the hub's answer, if it gave one, is the cause
+        if isinstance(e.__cause__, HfHubHTTPError):
+            raise _refused(repo_id, e.__cause__) from e
+        raise _NoNetwork() from e
+    except (httpx2.TransportError, OfflineModeIsEnabled, LocalEntryNotFoundError) as e:
         raise _NoNetwork() from e
     except HfHubHTTPError as e:
-        raise UserError(
-            f"The hub refused {repo_id} ({_status(e)}); check the name, or log in for gated models."
-        ) from e
+        raise _refused(repo_id, e) from e
     if not infos:
         raise UserError(
             f"{repo_id} has no files matching {patterns}; the repository layout may have changed."
@@ -178,9 +180,13 @@ class _NoNetwork(Exception):
     pass
 
 
-def _status(e: HfHubHTTPError) -> str:
+def _refused(repo_id: str, e: HfHubHTTPError) -> UserError:
     response = getattr(e, "response", None)
-    return f"HTTP {response.status_code}" if response is not None else type(e).__name__
+    status = f"HTTP {response.status_code}" if response is not None else type(e).__name__
+    return UserError(
+        f"The hub refused {repo_id} ({status}); check the name, or accept its terms on the hub and "
+        "log in (`hf auth login`) if it is gated."
+    )
 
 
 def _gb(n: int) -> str:
