@@ -127,10 +127,9 @@ def _setup(args: argparse.Namespace, need_drafter: bool):
     from models.loader import heads_for, load_backbone, resolve, resolve_heads
 
     settings = _settings(args)
-    if args.tree:
-        load_tree(args.tree)  # refuse an unknown tree before any download or load
+    chosen = load_tree(args.tree) if args.tree else None  # a bad tree is refused before any download
     spec = resolve(args.model)
-    tree_name, tree = load_tree(args.tree or (spec.tree if spec.tree in preset_names() else "cpu-16"))
+    tree_name, tree = chosen or load_tree(spec.tree if spec.tree in preset_names() else "cpu-16")
     backbone = load_backbone(args.model, args.dtype, args.device, args.quantization, spec=spec)
     if not need_drafter:
         return settings, backbone, None, tree_name

@@ -100,8 +100,8 @@ def stream(
         out += new
         history = [*prompt_ids, *new]
         first_token_seconds = time.perf_counter() - start
-        yield event(1, new, 0, torch.zeros(1, dtype=torch.long), torch.zeros(0), start)
-        reason = reason or _stopped(detok.text, settings.stop)
+        yield (e := event(1, new, 0, torch.zeros(1, dtype=torch.long), torch.zeros(0), start))
+        reason = reason or _stopped(detok.text, e.text, settings.stop)
 
         # 2) decode: propose → verify → accept → commit, until EOS, a stop string or the limit
         step = 1
@@ -121,8 +121,8 @@ def stream(
             new, reason = _trim(tokens, out, eos, limit)
             out += new
             history += new
-            yield event(step, new, result.accepted, result.path, draft.tokens, t0)
-            reason = reason or _stopped(detok.text, settings.stop)
+            yield (e := event(step, new, result.accepted, result.path, draft.tokens, t0))
+            reason = reason or _stopped(detok.text, e.text, settings.stop)
 
     # 3) finish
     detok.flush()
@@ -142,8 +142,12 @@ def _trim(tokens: list[int], out: list[int], eos: set[int], limit: int) -> tuple
     return tokens, None
 
 
-def _stopped(text: str, stop: tuple[str, ...]) -> str | None:
-    return "stop" if any(s in text for s in stop) else None
+def _stopped(text: str, delta: str, stop: tuple[str, ...]) -> str | None:
+    """A stop string that ends within the new text (only the tail is searched, not the reply)."""
+    if not stop or not delta:
+        return None
+    tail = text[-(len(delta) + max(map(len, stop))) :]
+    return "stop" if any(s in tail for s in stop) else None
 
 
 def _cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
