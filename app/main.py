@@ -64,6 +64,16 @@ def parser() -> argparse.ArgumentParser:
     _decoding_options(bench)
     bench.set_defaults(max_new_tokens=128)
 
+    ui = sub.add_parser("ui", help="open the chat in the browser (the default command)")
+    ui.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: this machine only)")
+    ui.add_argument("--port", type=int, default=None, help="port (default: 7860 or the next free one)")
+    ui.add_argument("--no-browser", action="store_true", help="do not open a browser tab")
+    ui.add_argument("--model", default="smollm2-135m-instruct", help="catalog id, hub repo id or model folder")
+    ui.add_argument("--heads", help="Medusa heads: a folder or a hub repo id (default: the model's own)")
+    ui.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    ui.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    ui.add_argument("--quantization", default="auto", choices=["auto", "none", "nf4", "int8"])
+
     sub.add_parser("models", help="list the model catalog and what is downloaded")
     download = sub.add_parser("download", help="fetch a catalog model (backbone and heads)")
     download.add_argument("id", help="catalog id (see `medusa-chat models`) or hub repo id")
@@ -71,13 +81,17 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    if args.command is None:
-        parser().print_help()
-        return 0
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser().parse_args(argv or ["ui"])
     _setup_logging()
     try:
-        commands = {"generate": _generate, "bench": _bench, "models": _models, "download": _download}
+        commands = {
+            "generate": _generate,
+            "bench": _bench,
+            "models": _models,
+            "download": _download,
+            "ui": _ui,
+        }
         return commands[args.command](args)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -137,8 +151,7 @@ def _setup(args: argparse.Namespace, need_drafter: bool):
     heads, trained = heads_for(backbone, heads_dir, num_heads=max(tree.max_depth, 4))
     if not trained:
         print(
-            "warning: no trained Medusa heads for this model, so drafts are rarely accepted; "
-            "pass --heads FOLDER.",
+            "warning: no trained Medusa heads for this model, so drafts are rarely accepted; pass --heads FOLDER.",
             file=sys.stderr,
         )
     drafter = MedusaDrafter(heads, tree.to(backbone.model.device), tree_name=f"Tree '{tree_name}'")
@@ -226,9 +239,7 @@ def _read_prompts(file: str) -> list[str]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
-        raise UserError(
-            f"Cannot read the prompt file {path} ({e.__class__.__name__}); check the path."
-        ) from e
+        raise UserError(f"Cannot read the prompt file {path} ({e.__class__.__name__}); check the path.") from e
     prompts = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -236,9 +247,7 @@ def _read_prompts(file: str) -> list[str]:
         try:
             prompt = json.loads(line)["prompt"]
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise UserError(
-                f'Line {n} of {path} is not a JSON object with a "prompt"; fix that line.'
-            ) from None
+            raise UserError(f'Line {n} of {path} is not a JSON object with a "prompt"; fix that line.') from None
         if not isinstance(prompt, str) or not prompt.strip():
             raise UserError(f'Line {n} of {path} has an empty "prompt"; fill it or remove the line.')
         prompts.append(prompt)
@@ -290,14 +299,10 @@ def _models(args: argparse.Namespace) -> int:
 
     print(f"{'id':<26}{'download':>10}{'4-bit mem':>11}  {'state':<14}name")
     for e in entries():
-        state = (
-            "embedded" if e.embedded else cached_state([s for s in (e.backbone, e.heads, e.tokenizer) if s])
-        )
+        state = "embedded" if e.embedded else cached_state([s for s in (e.backbone, e.heads, e.tokenizer) if s])
         size = "—" if e.embedded else f"{e.download_gb:.1f} GB"
         print(f"{e.id:<26}{size:>10}{e.memory_gb_4bit:>8.1f} GB  {state:<14}{e.name}")
-    print(
-        "\nFetch one with `medusa-chat download ID`; any hub repo id or local folder also works with --model."
-    )
+    print("\nFetch one with `medusa-chat download ID`; any hub repo id or local folder also works with --model.")
     return 0
 
 
@@ -309,10 +314,43 @@ def _download(args: argparse.Namespace) -> int:
         print(f"{EMBEDDED_ID} is embedded; nothing to download.")
         return 0
     spec = resolve(args.id)
-    print(
-        f"{args.id} is ready in {spec.folder}"
-        + (f" (heads in {spec.heads_folder})" if spec.heads_folder else "")
-    )
+    print(f"{args.id} is ready in {spec.folder}" + (f" (heads in {spec.heads_folder})" if spec.heads_folder else ""))
+    return 0
+
+
+def _free_port(host: str, start: int = 7860) -> int:
+    import socket
+
+    for port in range(start, start + 100):
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise UserError(f"No free port between {start} and {start + 99}; pass --port.")
+
+
+def _ui(args: argparse.Namespace) -> int:
+    from app.engine import Engine
+    from app.ui import build, css
+
+    port = args.port or _free_port(args.host)
+    engine = Engine(args.model, args.dtype, args.device, args.quantization, args.heads)
+    engine.start()
+    demo = build(engine)
+    demo.queue(default_concurrency_limit=1)
+    print(f"medusa-chat is running at http://{args.host}:{port} (Ctrl-C to quit)", flush=True)
+    try:
+        demo.launch(
+            server_name=args.host, server_port=port, share=False, inbrowser=not args.no_browser,
+            css=css(), quiet=True, show_error=False,
+        )  # fmt: skip
+    except KeyboardInterrupt:
+        pass
+    finally:
+        demo.close()
+    print("medusa-chat stopped.")
     return 0
 
 

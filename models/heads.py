@@ -119,9 +119,7 @@ def load_heads(folder: str | Path, lm_head: nn.Module, model_name: str = "this m
             "this model."
         )
     wanted = {
-        k: v
-        for k, v in tensors.items()
-        if _BLOCK.match(k) or k.endswith(".linear.bias") or (own and _PROJ.match(k))
+        k: v for k, v in tensors.items() if _BLOCK.match(k) or k.endswith(".linear.bias") or (own and _PROJ.match(k))
     }
     heads = MedusaHeads(model_hidden, model_vocab, num_heads, num_layers, None if own else lm_head)
     heads.load_state_dict({f"heads.{k}": v for k, v in wanted.items()}, strict=True)

@@ -93,9 +93,7 @@ def plan(
     except HfHubHTTPError as e:
         raise _refused(repo_id, e) from e
     if not infos:
-        raise UserError(
-            f"{repo_id} has no files matching {patterns}; the repository layout may have changed."
-        )
+        raise UserError(f"{repo_id} has no files matching {patterns}; the repository layout may have changed.")
     if weights:
         infos = one_weight_format(infos)
     folder = Path(infos[0].local_path[: -len(infos[0].filename)])
@@ -142,8 +140,7 @@ def fetch(
             )
         except (httpx2.TransportError, OfflineModeIsEnabled) as e:
             raise UserError(
-                f"The download of {label} stopped ({type(e).__name__}); "
-                "run the same command again to resume it."
+                f"The download of {label} stopped ({type(e).__name__}); run the same command again to resume it."
             ) from e
         done += size
     return todo.folder

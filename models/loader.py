@@ -54,16 +54,18 @@ class Backbone:
     chat_template: str | None = None
 
     def encode_chat(self, prompt: str, system: str | None = None) -> list[int]:
-        """The prompt as token ids, through the chat template (the catalog's or the tokenizer's)."""
+        """One user message (and an optional system prompt) as prompt token ids."""
         if not prompt.strip():
             raise UserError("The prompt is empty; type a message first.")
+        return self.encode_messages([{"role": "user", "content": prompt}], system)
+
+    def encode_messages(self, messages: list[dict], system: str | None = None) -> list[int]:
+        """A conversation ({"role", "content"} dicts, ending with the user's turn) as prompt ids,
+        through the chat template (the catalog's or the tokenizer's)."""
+        messages = ([{"role": "system", "content": system}] if system else []) + list(messages)
         template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
-        if not template:
-            text = f"{system}\n\n{prompt}" if system else prompt
-            return self.tokenizer(text)["input_ids"]
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": prompt}
-        ]
+        if not template:  # a base model: plain text, turns separated by blank lines
+            return self.tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]
         ids = self.tokenizer.apply_chat_template(
             messages, chat_template=template, add_generation_prompt=True, tokenize=True
         )
@@ -119,9 +121,7 @@ def resolve_heads(name: str, on_progress=None) -> Path:
     if local.is_dir():
         return local
     if local.exists() or name.count("/") != 1:
-        raise UserError(
-            f"No heads folder '{name}'; pass a folder with Medusa heads or a hub repo id (org/name)."
-        )
+        raise UserError(f"No heads folder '{name}'; pass a folder with Medusa heads or a hub repo id (org/name).")
     return hub.fetch(name, patterns=HEAD_FILES, on_progress=on_progress)
 
 
@@ -162,9 +162,7 @@ def pick_dtype(name: str, device: torch.device, config: object | None = None) ->
 def _fastest_cpu_dtype(hidden: int, inner: int) -> str:
     """Time a decoder MLP matmul at 1 and 16 tokens in fp32 and bf16; cached per machine."""
     record = cache_dir() / "cpu-dtype.json"
-    key = (
-        f"{platform.processor() or platform.machine()}|{os.cpu_count()}|{torch.__version__}|{hidden}x{inner}"
-    )
+    key = f"{platform.processor() or platform.machine()}|{os.cpu_count()}|{torch.__version__}|{hidden}x{inner}"
     try:
         known = json.loads(record.read_text())
     except (OSError, ValueError):
@@ -195,9 +193,7 @@ def estimate_gb(config: object, dtype: torch.dtype, quantization: str) -> float:
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config)
     output = meta.get_output_embeddings()
-    linear = sum(
-        m.weight.numel() for m in meta.modules() if isinstance(m, torch.nn.Linear) and m is not output
-    )
+    linear = sum(m.weight.numel() for m in meta.modules() if isinstance(m, torch.nn.Linear) and m is not output)
     total = sum(p.numel() for p in meta.parameters())
     width = {"nf4": 0.53, "int8": 1.0}.get(quantization, torch.finfo(dtype).bits / 8)
     return (linear * width + (total - linear) * torch.finfo(dtype).bits / 8) / 2**30
@@ -224,15 +220,10 @@ def load_backbone(
         options["quantization_config"] = _bnb_config(quant, torch_dtype)
     if quant != "pre-quantized":
         label = (
-            "4-bit nf4"
-            if quant == "nf4"
-            else "8-bit"
-            if quant == "int8"
-            else str(torch_dtype).removeprefix("torch.")
+            "4-bit nf4" if quant == "nf4" else "8-bit" if quant == "int8" else str(torch_dtype).removeprefix("torch.")
         )
         print(
-            f"Loading {spec.name} ({label}): "
-            f"about {estimate_gb(config, torch_dtype, quant):.1f} GB of memory.",
+            f"Loading {spec.name} ({label}): about {estimate_gb(config, torch_dtype, quant):.1f} GB of memory.",
             file=sys.stderr,
         )
     try:
@@ -240,9 +231,7 @@ def load_backbone(
         model = (model if quant in ("nf4", "int8", "pre-quantized") else model.to(dev)).eval()
         tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_folder)
     except torch.OutOfMemoryError as e:
-        raise UserError(
-            f"Out of GPU memory loading {spec.name}; choose a smaller model or --quantization nf4."
-        ) from e
+        raise UserError(f"Out of GPU memory loading {spec.name}; choose a smaller model or --quantization nf4.") from e
     except (OSError, ValueError, ImportError) as e:
         raise UserError(f"Could not load the model in {spec.folder} ({e}).") from e
     _check_attention(model)
@@ -306,9 +295,7 @@ def shipped_heads_dir(model_id: str) -> Path | None:
     return folder if (folder / "medusa_lm_head.safetensors").is_file() else None
 
 
-def heads_for(
-    backbone: Backbone, heads_dir: str | Path | None, num_heads: int = 4
-) -> tuple[MedusaHeads, bool]:
+def heads_for(backbone: Backbone, heads_dir: str | Path | None, num_heads: int = 4) -> tuple[MedusaHeads, bool]:
     """The heads to draft with and whether they are trained.
 
     Without a folder (neither --heads nor the model's default), untrained heads

@@ -35,9 +35,7 @@ def tiny_model(arch: str = "llama", vocab: int = 96, seed: int = 0):
     raise ValueError(arch)
 
 
-def plain_tokens(
-    model, prompt: list[int], n: int, settings: DecodeSettings | None = None, generator=None
-) -> list[int]:
+def plain_tokens(model, prompt: list[int], n: int, settings: DecodeSettings | None = None, generator=None) -> list[int]:
     settings = settings or DecodeSettings(max_new_tokens=n)
     _, done = collect(stream(model, prompt, settings, None, generator=generator))
     return list(done.token_ids)

@@ -21,9 +21,7 @@ PROMPTS = [
 
 
 def cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "app.main", *args], capture_output=True, text=True, timeout=timeout
-    )
+    return subprocess.run([sys.executable, "-m", "app.main", *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

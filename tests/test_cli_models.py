@@ -70,9 +70,7 @@ def write_layout(layout: str, root, model_dir):
         save_file(medusa, folder / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
         weight_map = dict.fromkeys(backbone, "model-00001-of-00002.safetensors")
         weight_map |= dict.fromkeys(medusa, "model-00002-of-00002.safetensors")
-        (folder / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {}, "weight_map": weight_map})
-        )
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
         return folder, folder
     return model_dir, folder
 

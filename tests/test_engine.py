@@ -110,9 +110,7 @@ def test_lossless_sampling_reproduces_plain_sampling_for_the_same_seed():
     settings = DecodeSettings(temperature=0.8, top_p=0.95, max_new_tokens=40)
     plain = plain_tokens(model, PROMPT, 40, settings, torch.Generator().manual_seed(7))
     drafter = MedusaDrafter(random_heads(model), load_tree("mc_sim_7b_63")[1])
-    _events, done = collect(
-        stream(model, PROMPT, settings, drafter, generator=torch.Generator().manual_seed(7))
-    )
+    _events, done = collect(stream(model, PROMPT, settings, drafter, generator=torch.Generator().manual_seed(7)))
     assert list(done.token_ids) == plain
 
 

@@ -53,9 +53,7 @@ def test_legacy_pt_with_shared_lm_head(tmp_path):
     """medusa_model_legacy.py version 2: residual blocks only, the backbone's lm_head projects."""
     heads = make_heads(3, shared=True)
     torch.save(canonical(heads), tmp_path / "medusa_lm_head.pt")
-    (tmp_path / "config.json").write_text(
-        json.dumps({"medusa_num_heads": 3, "version": "2", "vocab_size": V})
-    )
+    (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "version": "2", "vocab_size": V}))
     loaded = load_heads(tmp_path, lm_head())
     assert loaded.shared
     assert_same(loaded, heads, 3, 1)
@@ -94,9 +92,7 @@ def test_full_checkpoint_shards_with_medusa_head_tensors(tmp_path, kind):
         names |= dict.fromkeys(tensors, name)
     index = "model.safetensors.index.json" if kind == "safetensors" else "pytorch_model.bin.index.json"
     (tmp_path / index).write_text(json.dumps({"metadata": {}, "weight_map": names}))
-    (tmp_path / "config.json").write_text(
-        json.dumps({"model_type": "llama", "hidden_size": H, "vocab_size": V})
-    )
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": H, "vocab_size": V}))
     assert_same(load_heads(tmp_path, lm_head()), heads, 5, 1)
 
 

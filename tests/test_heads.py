@@ -25,9 +25,7 @@ def randomized(heads: MedusaHeads) -> MedusaHeads:
 @pytest.mark.parametrize("layers", [1, 2])
 def test_save_load_round_trip_gives_the_same_logits(tmp_path, shared, layers):
     head = lm_head()
-    heads = randomized(
-        MedusaHeads(H, V, num_heads=3, num_layers=layers, shared_lm_head=head if shared else None)
-    )
+    heads = randomized(MedusaHeads(H, V, num_heads=3, num_layers=layers, shared_lm_head=head if shared else None))
     heads.save(tmp_path)
     loaded = load_heads(tmp_path, head)
     assert (loaded.num_heads, loaded.num_layers, loaded.shared) == (3, layers, shared)

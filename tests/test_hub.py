@@ -61,9 +61,7 @@ def test_a_connection_cut_mid_file_resumes(tmp_path, files):
 def test_a_full_disk_is_refused_before_anything_is_written(tmp_path, files, monkeypatch):
     monkeypatch.setattr(hub, "free_bytes", lambda path: 10 * 2**20)
     with FakeHub({REPO: files}) as fake:
-        with pytest.raises(
-            UserError, match=r"tiny-org/tiny-model needs 24.0 MB more but only 10.0 MB is free"
-        ):
+        with pytest.raises(UserError, match=r"tiny-org/tiny-model needs 24.0 MB more but only 10.0 MB is free"):
             fetch(fake, tmp_path, weights=True)
         assert fake.file_gets() == []
 
@@ -73,9 +71,7 @@ def test_offline_uses_the_cache_or_says_how_to_fetch_later(tmp_path, files, monk
         folder = fetch(fake, tmp_path, patterns=["config.json"])
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert hub.fetch(REPO, patterns=["config.json"], cache_dir=tmp_path / "hub") == folder
-    with pytest.raises(
-        UserError, match=r"other/model is not downloaded .* `medusa-chat download other/model`"
-    ):
+    with pytest.raises(UserError, match=r"other/model is not downloaded .* `medusa-chat download other/model`"):
         hub.fetch("other/model", cache_dir=tmp_path / "hub")
 
 

@@ -1,0 +1,111 @@
+"""The loaded model the UI talks to, shared by every browser tab.
+
+It loads in a background thread so the page is ready at once, can switch to another catalog
+model (downloading with progress), and turns a conversation plus settings into the core's
+event stream. One generation runs at a time (the UI queues the rest). No decoding logic here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from core.drafters import MedusaDrafter
+from core.errors import UserError
+from core.generate import Finished, StepEvent, stream
+from core.settings import DecodeSettings
+from core.tree import TreeBuffers, load_tree
+from models.loader import Backbone, heads_for, load_backbone, resolve, resolve_heads
+
+log = logging.getLogger("medusa-chat")
+
+
+@dataclass(frozen=True)
+class Loaded:
+    backbone: Backbone
+    heads: torch.nn.Module
+    trained: bool  # False: untrained heads, few drafts accepted
+    default_tree: str
+
+
+class Engine:
+    def __init__(self, model: str, dtype: str = "auto", device: str = "auto", quantization: str = "auto",
+                 heads: str | None = None) -> None:  # fmt: skip
+        self.options = {"dtype": dtype, "device": device, "quantization": quantization}
+        self.heads_arg = heads
+        self.model_id = model
+        self.loaded: Loaded | None = None
+        self.error: str | None = None
+        self._ready = threading.Event()
+        self._trees: dict[str, tuple[TreeBuffers, MedusaDrafter]] = {}
+
+    def start(self) -> None:
+        """Load the initial model in the background."""
+        threading.Thread(target=self._load_initial, daemon=True).start()
+
+    def _load_initial(self) -> None:
+        try:
+            self.load(self.model_id)
+        except UserError as e:
+            self.error = str(e)
+        except Exception as e:
+            log.exception("loading %s failed", self.model_id)
+            self.error = f"Loading {self.model_id} failed ({type(e).__name__}: {e}); see the log."
+        finally:
+            self._ready.set()
+
+    def load(self, model: str, on_progress: Callable | None = None) -> None:
+        spec = resolve(model, on_progress)
+        backbone = load_backbone(model, spec=spec, **self.options)
+        heads_dir = resolve_heads(self.heads_arg) if self.heads_arg and model == self.model_id else spec.heads_folder
+        heads, trained = heads_for(backbone, heads_dir)
+        self.loaded, self.model_id, self.error = Loaded(backbone, heads, trained, spec.tree), model, None
+        self._trees.clear()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._ready.wait(timeout)
+
+    def status(self) -> str:
+        if self.error:
+            return f"⚠️ {self.error}"
+        if self.loaded is None:
+            return f"⏳ Loading {self.model_id}…"
+        b = self.loaded.backbone
+        heads = "trained heads" if self.loaded.trained else "untrained heads (few drafts accepted)"
+        return f"✅ {self.model_id} · {str(b.model.dtype).removeprefix('torch.')} on {b.model.device.type} · {heads}"
+
+    def require(self) -> Loaded:
+        if self.loaded is None:
+            raise UserError(self.error or f"{self.model_id} is still loading; try again in a moment.")
+        return self.loaded
+
+    def drafter(self, tree_name: str) -> tuple[TreeBuffers, MedusaDrafter]:
+        if tree_name not in self._trees:
+            loaded = self.require()
+            name, tree = load_tree(tree_name)
+            tree = tree.to(loaded.backbone.model.device)
+            self._trees[tree_name] = (tree, MedusaDrafter(loaded.heads, tree, tree_name=f"Tree '{name}'"))
+        return self._trees[tree_name]
+
+    def generate(
+        self,
+        messages: list[dict],
+        system: str,
+        settings: DecodeSettings,
+        medusa: bool,
+        tree_name: str,
+        should_stop: Callable[[], bool],
+    ) -> Iterator[StepEvent | Finished]:
+        loaded = self.require()
+        b = loaded.backbone
+        drafter = self.drafter(tree_name)[1] if medusa else None
+        prompt = b.encode_messages(messages, system or None)
+        generator = torch.Generator(b.model.device).manual_seed(torch.seed() % 2**63)
+        return stream(b.model, prompt, settings, drafter, b.tokenizer, b.eos_ids, generator, should_stop)
+
+    def token_text(self, token_id: int) -> str:
+        return self.require().backbone.tokenizer.decode([token_id])

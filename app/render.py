@@ -1,0 +1,146 @@
+"""Replies and stats as HTML: every decoding step's text in an element with `data-step`.
+
+The reply is rendered as Markdown once, with an invisible marker character placed at each
+step boundary (positions come from the step events, i.e. from token ids, never from searching
+the text). The markers then split the rendered text into spans, so lists, code fences and
+line breaks render normally and a step that crosses a paragraph or a code line simply gets
+one span in each. Raw HTML written by the model is escaped, not rendered.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+
+from markdown_it import MarkdownIt
+
+MARK = "\ue000"  # private-use character: never produced by the tokenizer's text
+PALETTE = 6  # colors cycle over this many classes
+_md = MarkdownIt("commonmark", {"html": False, "breaks": True}).enable("table").enable("strikethrough")
+_TAG = re.compile(r"(<[^>]*>)")
+
+
+def reply_html(steps: list[tuple[str, int]], colors: bool = True, streaming: bool = False) -> str:
+    """steps: (text, drafted tokens accepted) per decoding step, in order."""
+    rendered = _md.render(_marked(steps))
+    out, step, in_pre = [], 0, False
+    for piece in _TAG.split(rendered):
+        if piece.startswith("<"):
+            step += piece.count(MARK)  # a boundary inside an attribute (e.g. a link) still counts
+            in_pre = piece.startswith("<pre") or (in_pre and not piece.startswith("</pre"))
+            out.append(piece.replace(MARK, ""))
+            continue
+        for i, run in enumerate(piece.split(MARK)):
+            step += i > 0
+            # code keeps its lines (as entities: a raw blank line would end the HTML block in the
+            # chat's Markdown); elsewhere newlines are only formatting between tags
+            run = run.replace("\n", "&#10;" if in_pre else "")
+            if run:
+                out.append(_span(run, step, steps[step][1] if 0 <= step < len(steps) else 0))
+    body = "".join(out).replace("\n", "")
+    mode = "spec-colors" if colors else "spec-plain"
+    cursor = '<span class="cursor">▍</span>' if streaming else ""
+    return f'<div class="medusa-reply {mode}">{body}{cursor}</div>'
+
+
+_SYNTAX = set("`*_~#>-+=|[]()!")
+
+
+def _marked(steps: list[tuple[str, int]]) -> str:
+    """The reply with MARK at each step boundary, nudged so it never breaks Markdown syntax:
+    out of a run of syntax characters (``` or **), and off the start of a line (a list item,
+    a heading or a fence must begin its line)."""
+    text = "".join(t for t, _ in steps)
+    cuts, at = [], 0
+    for t, _ in steps[:-1]:
+        at += len(t)
+        p = at
+        while 0 < p < len(text) and text[p - 1] in _SYNTAX and text[p] in _SYNTAX:
+            p += 1
+        line_start = text.rfind("\n", 0, p) + 1
+        if line_start > 0 and not text[line_start:p].strip():
+            p = line_start - 1
+            while p > 0 and text[p - 1] == "\n":
+                p -= 1
+        cuts.append(p)
+    out, prev = [], 0
+    for p in cuts:
+        p = max(p, prev)
+        out += [text[prev:p], MARK]
+        prev = p
+    return "".join(out) + text[prev:]
+
+
+def _span(text: str, step: int, accepted: int) -> str:
+    color = f"c{step % PALETTE}" if accepted else "own"
+    label = f"step {step + 1}: {accepted} drafted token{'s' if accepted != 1 else ''} accepted"
+    return f'<span class="st {color}" data-step="{step + 1}" data-accepted="{accepted}" title="{label}">{text}</span>'
+
+
+LEGEND = (
+    '<div class="medusa-legend">'
+    '<span class="st own">plain text</span> = a step where only the model\'s own next token was kept; '
+    '<span class="st c1">colored</span> <span class="st c2">runs</span> = one step each that also '
+    "accepted drafted tokens (the color changes from step to step). Hover a run for its step.</div>"
+)
+
+
+def stats_html(stats: dict, accepted: list[int], depth_rates: list[float]) -> str:
+    """Numbers of one reply, a histogram of accepted drafts per step, acceptance per depth."""
+    if not stats:
+        return '<div class="medusa-stats">No reply yet.</div>'
+    rows = [
+        ("tokens", f"{stats['tokens']}"),
+        ("steps", f"{stats['steps']}"),
+        ("tokens / step", f"{stats['tokens_per_step']:.2f}"),
+        ("tokens / s", f"{stats['tokens_per_second']:.1f}"),
+        ("first token", f"{1000 * stats['first_token_seconds']:.0f} ms"),
+        ("finished by", html.escape(stats["finish_reason"])),
+    ]
+    table = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in rows)
+    counts = [accepted.count(k) for k in range(max(accepted, default=0) + 1)]
+    top = max(counts, default=1) or 1
+    bars = "".join(
+        f'<div class="bar"><span class="label">{k}</span>'
+        f'<span class="fill" style="width:{100 * n / top:.0f}%"></span><span class="n">{n}</span></div>'
+        for k, n in enumerate(counts)
+    )
+    depths = "".join(
+        f'<div class="bar"><span class="label">{d + 1}</span>'
+        f'<span class="fill depth" style="width:{100 * r:.0f}%"></span><span class="n">{100 * r:.0f}%</span></div>'
+        for d, r in enumerate(depth_rates)
+    )
+    return (
+        f'<div class="medusa-stats"><table>{table}</table>'
+        f"<h4>Drafted tokens accepted per step</h4>{bars}"
+        f"<h4>Acceptance rate by tree depth</h4>{depths or '<p>No drafts.</p>'}</div>"
+    )
+
+
+def depth_rates(accepted: list[int], max_depth: int) -> list[float]:
+    """Share of steps (after the prefill) that accepted at least d drafted tokens, d = 1…max_depth."""
+    decode = accepted[1:]
+    if not decode:
+        return []
+    return [sum(a >= d for a in decode) / len(decode) for d in range(1, max_depth + 1)]
+
+
+def tree_html(paths: tuple[tuple[int, ...], ...], tokens: list[str], accepted_path: tuple[int, ...]) -> str:
+    """The candidate tree of one step as nested lists; the accepted path highlighted.
+
+    tokens[i] is the text of node i (node 0 the root); node i > 0 takes paths[i - 1]."""
+    index = {(): 0} | {p: i + 1 for i, p in enumerate(paths)}
+    children: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+    for p in paths:
+        children.setdefault(p[:-1], []).append(p)
+    on_path = set(accepted_path)
+
+    def node(p: tuple[int, ...]) -> str:
+        i = index[p]
+        cls = "node accepted" if i in on_path else "node"
+        rank = f"<small>#{p[-1]}</small> " if p else "<small>root</small> "
+        label = f'<span class="{cls}">{rank}{html.escape(repr(tokens[i]))}</span>'
+        kids = "".join(node(c) for c in children.get(p, []))
+        return f"<li>{label}{f'<ul>{kids}</ul>' if kids else ''}</li>"
+
+    return f'<div class="medusa-tree"><ul>{node(())}</ul></div>'

@@ -1,0 +1,445 @@
+"""The Gradio chat: layout and event handlers. No decoding logic and no module-level state.
+
+Everything per user lives in a `Session` held by `gr.State`; the loaded model is the
+`Engine` passed to `build`. Every turn is saved atomically as soon as it ends (or is stopped).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import gradio as gr
+
+from app import store
+from app.engine import Engine
+from app.render import LEGEND, depth_rates, reply_html, stats_html, tree_html
+from core.errors import UserError
+from core.generate import Finished, StepEvent
+from core.settings import DecodeSettings
+from core.tree import preset_names
+from models import catalog
+
+log = logging.getLogger("medusa-chat")
+
+DEFAULTS = {
+    "decoding": "Medusa",
+    "acceptance": "Lossless",
+    "epsilon": 0.09,
+    "delta": 0.3,
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "max_new_tokens": 256,
+    "tree": "",
+    "colors": True,
+    "system": "",
+}
+
+
+@dataclass
+class Session:
+    chat: store.Chat
+    stop: threading.Event = field(default_factory=threading.Event)
+    events: list[StepEvent] = field(default_factory=list)  # the last reply's steps
+    paths: tuple = ()  # the last reply's tree, for the step inspector
+    max_depth: int = 0
+    prompt: list[dict] = field(default_factory=list)  # the last reply's conversation
+    system: str = ""
+    medusa_stats: dict = field(default_factory=dict)
+
+
+def _session(s: Session | None, engine: Engine) -> Session:
+    return s if s is not None else Session(store.Chat.new(engine.model_id))
+
+
+def _messages(chat: store.Chat, colors: bool) -> list[dict]:
+    out = []
+    for t in chat.turns:
+        out.append({"role": "user", "content": t.user})
+        if t.steps or t.assistant:
+            out.append({"role": "assistant", "content": reply_html(t.steps or [(t.assistant, 0)], colors)})
+    return out
+
+
+def _chat_choices() -> tuple[list[tuple[str, str]], list[str]]:
+    chats, problems = store.list_chats()
+    return [(c.title, c.id) for c in chats], problems
+
+
+def _stats(stats: dict, events: list[StepEvent], max_depth: int) -> str:
+    accepted = [e.accepted for e in events]
+    return stats_html(stats, accepted, depth_rates(accepted, max_depth))
+
+
+def _model_choices() -> list[tuple[str, str]]:
+    from models.hub import cached_state
+
+    out = []
+    for e in catalog.entries():
+        if e.embedded:
+            state = "embedded"
+        else:
+            cached = cached_state([s for s in (e.backbone, e.heads, e.tokenizer) if s])
+            state = "cached" if cached == "cached" else f"{e.download_gb:.1f} GB download"
+        out.append((f"{e.name} · {state} · ~{e.memory_gb_4bit:.1f} GB at 4-bit", e.id))
+    return out
+
+
+def build(engine: Engine) -> gr.Blocks:
+    saved = DEFAULTS | store.load_settings()
+    trees = preset_names()
+
+    with gr.Blocks(title="medusa-chat") as demo:
+        session = gr.State(None)
+        with gr.Sidebar(open=True):
+            gr.Markdown("### Chats")
+            new_btn = gr.Button("➕ New chat", variant="secondary")
+            chat_list = gr.Radio(choices=_chat_choices()[0], label="Past chats", elem_id="chat-list")
+            title = gr.Textbox(label="Title", placeholder="Rename this chat")
+            with gr.Row():
+                rename_btn = gr.Button("Rename", size="sm")
+                delete_btn = gr.Button("Delete", size="sm", variant="stop")
+            export_btn = gr.DownloadButton("Export as Markdown", size="sm")
+
+        with gr.Row():
+            with gr.Column(scale=3):
+                status = gr.Markdown(engine.status(), elem_id="status")
+                chatbot = gr.Chatbot(elem_id="chat", height=560, buttons=["copy"], group_consecutive_messages=False)
+                gr.HTML(LEGEND)
+                with gr.Row():
+                    msg = gr.Textbox(placeholder="Message", show_label=False, scale=5, elem_id="msg", autofocus=True)
+                    send_btn = gr.Button("Send", variant="primary", scale=1, elem_id="send")
+                with gr.Row():
+                    stop_btn = gr.Button("Stop", elem_id="stop")
+                    regen_btn = gr.Button("Regenerate", elem_id="regenerate")
+                    compare_btn = gr.Button("Compare with plain decoding", elem_id="compare")
+                compare_out = gr.HTML(elem_id="compare-out")
+            with gr.Column(scale=2):
+                with gr.Accordion("Decoding", open=True):
+                    decoding = gr.Radio(
+                        ["Medusa", "Plain"], value=saved["decoding"], label="Decoding", elem_id="decoding"
+                    )
+                    acceptance = gr.Radio(
+                        ["Lossless", "Typical"], value=saved["acceptance"], label="Acceptance", elem_id="acceptance",
+                        info="Lossless keeps the model's own output; Typical accepts plausible drafts for speed",
+                    )  # fmt: skip
+                    typical = saved["acceptance"] == "Typical"
+                    epsilon = gr.Slider(
+                        0.01, 1.0, value=saved["epsilon"], step=0.01, interactive=typical, elem_id="epsilon",
+                        label="ε: accept a draft whose probability exceeds this (or δ·e^−H, whichever is lower)",
+                    )  # fmt: skip
+                    delta = gr.Slider(
+                        0.01, 1.0, value=saved["delta"], step=0.01, interactive=typical, elem_id="delta",
+                        label="δ: entropy-scaled threshold; lower accepts more when the model is unsure",
+                    )  # fmt: skip
+                    temperature = gr.Slider(
+                        0.0, 2.0, value=saved["temperature"], step=0.05, label="Temperature (0 = greedy)"
+                    )
+                    top_p = gr.Slider(0.05, 1.0, value=saved["top_p"], step=0.05, label="Top-p")
+                    max_new = gr.Slider(16, 2048, value=saved["max_new_tokens"], step=16, label="Max new tokens")
+                    tree = gr.Dropdown(
+                        ["(model default)", *trees],
+                        value=saved["tree"] or "(model default)",
+                        label="Tree preset",
+                    )
+                    colors = gr.Checkbox(value=saved["colors"], label="Color the tokens of each step", elem_id="colors")
+                    system = gr.Textbox(value=saved["system"], label="System prompt", lines=2)
+                with gr.Accordion("Model", open=False):
+                    model = gr.Dropdown(_model_choices(), value=engine.model_id, label="Model", elem_id="model")
+                    model_info = gr.Markdown()
+                    load_btn = gr.Button("Download and load")
+                with gr.Accordion("Reply stats", open=True):
+                    stats = gr.HTML(stats_html({}, [], []), elem_id="stats")
+                with gr.Accordion("Step inspector", open=False):
+                    step_pick = gr.Slider(1, 2, value=1, step=1, label="Step of the last reply")
+                    inspector = gr.HTML()
+
+        controls = [system, decoding, acceptance, epsilon, delta, temperature, top_p, max_new, tree, colors]
+
+        # -- helpers bound to this engine -------------------------------------------------
+
+        def settings_of(acc, eps, dlt, temp, tp, mx) -> DecodeSettings:
+            return DecodeSettings(
+                acceptance=acc.lower(), temperature=float(temp), top_p=float(tp), epsilon=float(eps),
+                delta=float(dlt), max_new_tokens=int(mx),
+            )  # fmt: skip
+
+        def tree_of(choice: str) -> str:
+            return engine.require().default_tree if choice in ("", "(model default)") else choice
+
+        def run_turn(s: Session, sys_prompt, dec, acc, eps, dlt, temp, tp, mx, tr, col):
+            """Stream the reply to the chat's last turn; save it when it ends."""
+            turn = s.chat.turns[-1]
+            prompt = [m for t in s.chat.turns[:-1] for m in _pair(t)] + [{"role": "user", "content": turn.user}]
+            settings = settings_of(acc, eps, dlt, temp, tp, mx)
+            tree_name = tree_of(tr)
+            medusa = dec == "Medusa"
+            paths, depth = ((), 0)
+            if medusa:
+                buffers = engine.drafter(tree_name)[0]
+                paths, depth = buffers.paths, buffers.max_depth
+            s.stop.clear()
+            s.events, s.paths, s.max_depth, s.prompt, s.system = [], paths, depth, prompt, sys_prompt
+            events = engine.generate(prompt, sys_prompt, settings, medusa, tree_name, s.stop.is_set)
+            for e in events:
+                if isinstance(e, Finished):
+                    turn.assistant, turn.finished = e.text, e.finish_reason != "cancelled"
+                    turn.stats = {
+                        "tokens": len(e.token_ids), "steps": e.steps, "seconds": e.seconds,
+                        "tokens_per_step": e.tokens_per_step, "tokens_per_second": e.tokens_per_second,
+                        "first_token_seconds": e.first_token_seconds, "finish_reason": e.finish_reason,
+                        "mode": dec, "acceptance": acc, "tree": tree_name if medusa else None,
+                    }  # fmt: skip
+                    s.medusa_stats = turn.stats
+                    if s.chat.title == "New chat":
+                        s.chat.title = turn.user.strip().splitlines()[0][:60] or "Chat"
+                    s.chat.model = engine.model_id
+                    store.save_chat(s.chat)
+                    yield _messages(s.chat, col), _stats(turn.stats, s.events, depth), True
+                    return
+                s.events.append(e)
+                turn.steps.append((e.text, e.accepted))
+                yield (
+                    _messages(s.chat, col)[:-1]
+                    + [{"role": "assistant", "content": reply_html(turn.steps, col, streaming=True)}],
+                    gr.skip(),
+                    False,
+                )
+
+        def finish_outputs(s: Session):
+            choices, _ = _chat_choices()
+            n = max(len(s.events), 2)
+            return gr.update(choices=choices, value=s.chat.id), gr.update(maximum=n, value=1), s.chat.title
+
+        # -- events ----------------------------------------------------------------------
+
+        def send(message, s, *ctl):
+            s = _session(s, engine)
+            if not message or not message.strip():
+                gr.Warning("Type a message first.")
+                yield gr.skip(), s, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+                return
+            try:
+                settings_of(*ctl[2:8])
+                engine.require()
+            except UserError as e:
+                gr.Warning(str(e))
+                yield gr.skip(), s, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+                return
+            s.chat.turns.append(store.Turn(user=message))
+            yield from _stream_turn(s, ctl)
+
+        def _stream_turn(s, ctl):
+            try:
+                for chat_value, stats_value, done in run_turn(s, *ctl):
+                    if done:
+                        yield (chat_value, s, "", stats_value, *finish_outputs(s))
+                    else:
+                        yield chat_value, s, "", stats_value, gr.skip(), gr.skip(), gr.skip()
+            except UserError as e:
+                gr.Warning(str(e))
+                _save_partial(s)
+                yield _messages(s.chat, ctl[-1]), s, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            except Exception as e:
+                log.exception("generation failed")
+                gr.Warning(f"Generation failed ({type(e).__name__}: {e}); details are in the log.")
+                _save_partial(s)
+                yield _messages(s.chat, ctl[-1]), s, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+
+        def regenerate(s, *ctl):
+            s = _session(s, engine)
+            if not s.chat.turns:
+                gr.Warning("Nothing to regenerate yet.")
+                yield gr.skip(), s, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+                return
+            last = s.chat.turns[-1]
+            s.chat.turns[-1] = store.Turn(user=last.user)
+            yield from _stream_turn(s, ctl)
+
+        def stop(s):
+            if s is not None:
+                s.stop.set()
+
+        gen_outputs = [chatbot, session, msg, stats, chat_list, step_pick, title]
+        ctl_inputs = [system, decoding, acceptance, epsilon, delta, temperature, top_p, max_new, tree, colors]
+        common = {"concurrency_id": "generate", "concurrency_limit": 1}
+        send_event = send_btn.click(send, [msg, session, *ctl_inputs], gen_outputs, api_name="send", **common)
+        submit_event = msg.submit(send, [msg, session, *ctl_inputs], gen_outputs, api_name=False, **common)
+        regen_event = regen_btn.click(regenerate, [session, *ctl_inputs], gen_outputs, api_name="regenerate", **common)
+        stop_btn.click(stop, [session], None, api_name="stop", queue=False)
+        del send_event, submit_event, regen_event
+
+        def new_chat(s, col):
+            s = _session(s, engine)
+            s.chat, s.events = store.Chat.new(engine.model_id), []
+            return [], s, gr.update(value=None), "", stats_html({}, [], [])
+
+        new_btn.click(new_chat, [session, colors], [chatbot, session, chat_list, title, stats], api_name="new_chat")
+
+        def open_chat(chat_id, s, col):
+            s = _session(s, engine)
+            if not chat_id:
+                return gr.skip(), s, gr.skip(), gr.skip()
+            try:
+                s.chat, s.events = store.load_chat(chat_id), []
+            except (OSError, ValueError, TypeError, KeyError):
+                gr.Warning("That chat file is damaged; it was set aside.")
+                choices, _ = _chat_choices()
+                return gr.skip(), s, gr.update(choices=choices, value=None), gr.skip()
+            last = s.chat.turns[-1].stats if s.chat.turns else {}
+            return (
+                _messages(s.chat, col),
+                s,
+                s.chat.title,
+                stats_html(last, [], []) if last else stats_html({}, [], []),
+            )
+
+        chat_list.input(open_chat, [chat_list, session, colors], [chatbot, session, title, stats])
+
+        def rename(new_title, s):
+            s = _session(s, engine)
+            if not new_title.strip():
+                gr.Warning("Type a title first.")
+                return gr.skip(), s
+            s.chat.title = new_title.strip()[:80]
+            if s.chat.turns:
+                store.save_chat(s.chat)
+            choices, _ = _chat_choices()
+            return gr.update(choices=choices, value=s.chat.id if s.chat.turns else None), s
+
+        rename_btn.click(rename, [title, session], [chat_list, session])
+
+        def delete(s):
+            s = _session(s, engine)
+            store.delete_chat(s.chat.id)
+            s.chat, s.events = store.Chat.new(engine.model_id), []
+            choices, _ = _chat_choices()
+            return [], s, gr.update(choices=choices, value=None), ""
+
+        delete_btn.click(delete, [session], [chatbot, session, chat_list, title])
+
+        def export(s):
+            s = _session(s, engine)
+            folder = Path(tempfile.mkdtemp(prefix="medusa-chat-export-"))
+            name = "".join(ch if ch.isalnum() or ch in " -_" else "_" for ch in s.chat.title).strip() or "chat"
+            path = folder / f"{name}.md"
+            path.write_text(s.chat.to_markdown(), encoding="utf-8")
+            return str(path)
+
+        export_btn.click(export, [session], export_btn)
+
+        def recolor(s, col):
+            return _messages(s.chat, col) if s is not None else gr.skip()
+
+        colors.change(recolor, [session, colors], chatbot)
+
+        def toggle_typical(acc):
+            on = acc == "Typical"
+            return gr.update(interactive=on), gr.update(interactive=on)
+
+        acceptance.change(toggle_typical, acceptance, [epsilon, delta])
+
+        def remember(*values):
+            store.save_settings(
+                dict(zip([k for k in DEFAULTS], values, strict=True)) | {"tree": _tree_setting(values[8])}
+            )
+
+        for c in controls:
+            c.change(remember, controls, None, queue=False)
+
+        def compare(s, *ctl):
+            s = _session(s, engine)
+            if not s.prompt or not s.medusa_stats:
+                gr.Warning("Send a message first; the comparison re-runs the last reply without speculation.")
+                return gr.skip()
+            settings = settings_of(*ctl[2:8])
+            try:
+                *_, done = engine.generate(s.prompt, s.system, settings, False, "cpu-16", lambda: False)
+            except UserError as e:
+                gr.Warning(str(e))
+                return gr.skip()
+            m = s.medusa_stats
+            speedup = m["tokens_per_second"] / done.tokens_per_second if done.tokens_per_second else 0
+            return (
+                f'<div class="medusa-compare"><b>{m["mode"]}</b>: {m["tokens_per_second"]:.1f} tokens/s, '
+                f"{m['tokens_per_step']:.2f} tokens/step · <b>Plain</b>: {done.tokens_per_second:.1f} tokens/s, "
+                f"1.00 tokens/step · <b>speedup {speedup:.2f}×</b></div>"
+            )
+
+        compare_btn.click(compare, [session, *ctl_inputs], compare_out, api_name="compare", **common)
+
+        def inspect(step, s):
+            if s is None or not s.events:
+                return "<p>No reply yet.</p>"
+            e = s.events[min(int(step), len(s.events)) - 1]
+            if not e.draft:
+                return f"<p>Step {e.step} is the prefill: the model's first token, no tree.</p>"
+            tokens = [engine.token_text(t) for t in e.draft]
+            head = f"<p>Step {e.step}: {e.tree_size} candidates verified, {e.accepted} drafted accepted.</p>"
+            return head + tree_html(s.paths, tokens, e.path)
+
+        step_pick.change(inspect, [step_pick, session], inspector)
+
+        def describe(model_id):
+            entry = catalog.find(model_id)
+            if entry is None:
+                return ""
+            size = "ships with the app" if entry.embedded else f"~{entry.download_gb:.1f} GB to download"
+            return f"{entry.name}: {size}, about {entry.memory_gb_4bit:.1f} GB of memory at 4-bit. {entry.license}."
+
+        model.change(describe, model, model_info)
+
+        def switch(model_id, progress=gr.Progress()):  # noqa: B008 (how gradio injects progress)
+            def on_progress(p):
+                progress((p.done, p.total), desc=f"Downloading {p.file}", unit="bytes")
+
+            try:
+                engine.load(model_id, on_progress)
+            except UserError as e:
+                gr.Warning(str(e))
+            except Exception as e:
+                log.exception("switching to %s failed", model_id)
+                gr.Warning(f"Loading {model_id} failed ({type(e).__name__}); details are in the log.")
+            return engine.status()
+
+        load_btn.click(switch, model, status, **common)
+
+        timer = gr.Timer(1.0)
+        timer.tick(
+            lambda: (engine.status(), gr.Timer(active=engine.loaded is None and not engine.error)),
+            None,
+            [status, timer],
+        )
+
+        def on_load(s):
+            s = _session(s, engine)
+            _, problems = _chat_choices()
+            for p in problems:
+                gr.Warning(p)
+            return s, engine.status()
+
+        demo.load(on_load, session, [session, status])
+    return demo
+
+
+def _tree_setting(choice: str) -> str:
+    return "" if choice == "(model default)" else choice
+
+
+def _pair(turn: store.Turn) -> list[dict]:
+    return [{"role": "user", "content": turn.user}, {"role": "assistant", "content": turn.assistant}]
+
+
+def _save_partial(s: Session) -> None:
+    if s.chat.turns and s.chat.turns[-1].steps:
+        turn = s.chat.turns[-1]
+        turn.assistant = "".join(t for t, _ in turn.steps)
+        store.save_chat(s.chat)
+
+
+def css() -> str:
+    return (resources.files("assets") / "ui.css").read_text(encoding="utf-8")
