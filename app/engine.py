@@ -71,12 +71,13 @@ class Engine:
 
     def status(self) -> str:
         if self.error:
-            return f"⚠️ {self.error}"
+            return f"**Problem:** {self.error}"
         if self.loaded is None:
-            return f"⏳ Loading {self.model_id}…"
+            return f"**Loading** {self.model_id}…"
         b = self.loaded.backbone
         heads = "trained heads" if self.loaded.trained else "untrained heads (few drafts accepted)"
-        return f"✅ {self.model_id} · {str(b.model.dtype).removeprefix('torch.')} on {b.model.device.type} · {heads}"
+        dtype = str(b.model.dtype).removeprefix("torch.")
+        return f"**Ready:** {self.model_id} · {dtype} on {b.model.device.type} · {heads}"
 
     def require(self) -> Loaded:
         if self.loaded is None:

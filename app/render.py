@@ -4,7 +4,9 @@ The reply is rendered as Markdown once, with an invisible marker character place
 step boundary (positions come from the step events, i.e. from token ids, never from searching
 the text). The markers then split the rendered text into spans, so lists, code fences and
 line breaks render normally and a step that crosses a paragraph or a code line simply gets
-one span in each. Raw HTML written by the model is escaped, not rendered.
+one span in each. Raw HTML written by the model (or typed by the user) is escaped and
+`javascript:` links are refused by markdown-it, so everything handed to the chat is our own
+markup: that is why the Chatbot's sanitizer, which would strip `data-step`, is turned off.
 """
 
 from __future__ import annotations
@@ -44,12 +46,13 @@ def reply_html(steps: list[tuple[str, int]], colors: bool = True, streaming: boo
 
 
 _SYNTAX = set("`*_~#>-+=|[]()!")
+_BLOCK = set(" \t0123456789.)-*+#>`~|")  # what may start a line as Markdown block syntax
 
 
 def _marked(steps: list[tuple[str, int]]) -> str:
     """The reply with MARK at each step boundary, nudged so it never breaks Markdown syntax:
-    out of a run of syntax characters (``` or **), and off the start of a line (a list item,
-    a heading or a fence must begin its line)."""
+    out of a run of syntax characters (``` or **), past a line's block marker ("1. ", "- ",
+    "## "), and never onto a blank line (which would join two paragraphs)."""
     text = "".join(t for t, _ in steps)
     cuts, at = [], 0
     for t, _ in steps[:-1]:
@@ -58,10 +61,13 @@ def _marked(steps: list[tuple[str, int]]) -> str:
         while 0 < p < len(text) and text[p - 1] in _SYNTAX and text[p] in _SYNTAX:
             p += 1
         line_start = text.rfind("\n", 0, p) + 1
-        if line_start > 0 and not text[line_start:p].strip():
-            p = line_start - 1
-            while p > 0 and text[p - 1] == "\n":
-                p -= 1
+        if all(c in _BLOCK for c in text[line_start:p]):
+            while p < len(text) and text[p] in _BLOCK:
+                p += 1
+            if p == len(text) or text[p] == "\n":  # nothing but syntax or space: end of the line above
+                p = line_start - 1 if line_start else 0
+                while p > 0 and text[p - 1] == "\n":
+                    p -= 1
         cuts.append(p)
     out, prev = [], 0
     for p in cuts:
@@ -69,6 +75,23 @@ def _marked(steps: list[tuple[str, int]]) -> str:
         out += [text[prev:p], MARK]
         prev = p
     return "".join(out) + text[prev:]
+
+
+def text_html(text: str) -> str:
+    """A user's message: Markdown with raw HTML escaped, on one line like the replies."""
+    return f'<div class="medusa-user">{_one_line(_md.render(text))}</div>'
+
+
+def _one_line(rendered: str) -> str:
+    """Newlines kept inside <pre> as entities, dropped elsewhere (they only separate tags)."""
+    out, in_pre = [], False
+    for piece in _TAG.split(rendered):
+        if piece.startswith("<"):
+            in_pre = piece.startswith("<pre") or (in_pre and not piece.startswith("</pre"))
+            out.append(piece)
+        else:
+            out.append(piece.replace("\n", "&#10;" if in_pre else ""))
+    return "".join(out)
 
 
 def _span(text: str, step: int, accepted: int) -> str:

@@ -17,7 +17,7 @@ import gradio as gr
 
 from app import store
 from app.engine import Engine
-from app.render import LEGEND, depth_rates, reply_html, stats_html, tree_html
+from app.render import LEGEND, depth_rates, reply_html, stats_html, text_html, tree_html
 from core.errors import UserError
 from core.generate import Finished, StepEvent
 from core.settings import DecodeSettings
@@ -59,7 +59,7 @@ def _session(s: Session | None, engine: Engine) -> Session:
 def _messages(chat: store.Chat, colors: bool) -> list[dict]:
     out = []
     for t in chat.turns:
-        out.append({"role": "user", "content": t.user})
+        out.append({"role": "user", "content": text_html(t.user)})
         if t.steps or t.assistant:
             out.append({"role": "assistant", "content": reply_html(t.steps or [(t.assistant, 0)], colors)})
     return out
@@ -97,7 +97,7 @@ def build(engine: Engine) -> gr.Blocks:
         session = gr.State(None)
         with gr.Sidebar(open=True):
             gr.Markdown("### Chats")
-            new_btn = gr.Button("➕ New chat", variant="secondary")
+            new_btn = gr.Button("New chat", variant="secondary")
             chat_list = gr.Radio(choices=_chat_choices()[0], label="Past chats", elem_id="chat-list")
             title = gr.Textbox(label="Title", placeholder="Rename this chat")
             with gr.Row():
@@ -108,7 +108,10 @@ def build(engine: Engine) -> gr.Blocks:
         with gr.Row():
             with gr.Column(scale=3):
                 status = gr.Markdown(engine.status(), elem_id="status")
-                chatbot = gr.Chatbot(elem_id="chat", height=560, buttons=["copy"], group_consecutive_messages=False)
+                # sanitize_html=False: every message is app.render's output, with raw HTML escaped
+                chatbot = gr.Chatbot(
+                    elem_id="chat", height=560, buttons=[], sanitize_html=False, group_consecutive_messages=False
+                )
                 gr.HTML(LEGEND)
                 with gr.Row():
                     msg = gr.Textbox(placeholder="Message", show_label=False, scale=5, elem_id="msg", autofocus=True)
@@ -409,11 +412,11 @@ def build(engine: Engine) -> gr.Blocks:
         load_btn.click(switch, model, status, **common)
 
         timer = gr.Timer(1.0)
-        timer.tick(
-            lambda: (engine.status(), gr.Timer(active=engine.loaded is None and not engine.error)),
-            None,
-            [status, timer],
-        )
+
+        def poll_status():
+            return engine.status(), gr.Timer(active=engine.loaded is None and not engine.error)
+
+        timer.tick(poll_status, None, [status, timer], api_name="status", queue=False)
 
         def on_load(s):
             s = _session(s, engine)
