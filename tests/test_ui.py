@@ -93,6 +93,22 @@ def test_send_streams_a_colored_answer_with_stats(app):
         assert label in stats
 
 
+def test_compare_inspector_regenerate_rename_export(app):
+    client = app.client()
+    client.predict(*send_args("Say hello in French.", 24), api_name="/send")
+    controls = send_args("")[1:]
+    comparison = client.predict(*controls, api_name="/compare")
+    assert "Plain" in comparison and "speedup" in comparison
+    tree = client.predict(2, api_name="/inspect")
+    assert "candidates verified" in tree and 'class="node accepted"' in tree
+    chat, _msg, stats, *_ = client.predict(*controls, api_name="/regenerate")
+    assert len([m for m in chat if m["role"] == "assistant"]) == 1 and "tokens / step" in stats
+    choices = client.predict("Greetings", api_name="/rename")
+    assert "Greetings" in json.dumps(choices)
+    exported = Path(client.predict(api_name="/export")).read_text()
+    assert exported.startswith("# Greetings") and "Say hello in French." in exported
+
+
 def test_stop_keeps_the_partial_answer(app):
     client = app.client()
     job = client.submit(*send_args("Write a very long story about a lighthouse keeper.", 2048), api_name="/send")
