@@ -109,3 +109,14 @@ def test_nf4_on_cpu_loads_and_generates_the_embedded_model():
     sample = json.loads(run.stdout)["samples"][0]
     assert sample["text"].strip() and len(sample["token_ids"]) == sum(sample["steps"])
     assert "4-bit nf4" in run.stderr and "approximate" in run.stderr
+
+
+@pytest.mark.cuda
+def test_auto_quantization_on_cuda_is_nf4_and_generates():
+    from models.loader import load_backbone
+
+    backbone = load_backbone(device="cuda", quantization="auto")
+    layer = backbone.model.model.layers[0].mlp.up_proj
+    assert type(layer).__name__ == "Linear4bit"
+    run = cli("generate", "--prompt", "Hi!", "--device", "cuda", "--max-new-tokens", "8", "--json")
+    assert run.returncode == 0, run.stderr
