@@ -40,7 +40,6 @@ class Engine:
         self.model_id = model
         self.loaded: Loaded | None = None
         self.error: str | None = None
-        self._ready = threading.Event()
         self._trees: dict[str, tuple[TreeBuffers, MedusaDrafter]] = {}
 
     def start(self) -> None:
@@ -55,8 +54,6 @@ class Engine:
         except Exception as e:
             log.exception("loading %s failed", self.model_id)
             self.error = f"Loading {self.model_id} failed ({type(e).__name__}: {e}); see the log."
-        finally:
-            self._ready.set()
 
     def load(self, model: str, on_progress: Callable | None = None) -> None:
         spec = resolve(model, on_progress)
@@ -65,9 +62,6 @@ class Engine:
         heads, trained = heads_for(backbone, heads_dir)
         self.loaded, self.model_id, self.error = Loaded(backbone, heads, trained, spec.tree), model, None
         self._trees.clear()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self._ready.wait(timeout)
 
     def status(self) -> str:
         if self.error:

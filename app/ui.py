@@ -26,7 +26,8 @@ from models import catalog
 
 log = logging.getLogger("medusa-chat")
 
-DEFAULTS = {
+DEFAULTS = {  # saved settings, in the order of the controls that show them
+    "system": "",
     "decoding": "Medusa",
     "acceptance": "Lossless",
     "epsilon": 0.09,
@@ -36,7 +37,6 @@ DEFAULTS = {
     "max_new_tokens": 256,
     "tree": "",
     "colors": True,
-    "system": "",
 }
 
 
@@ -268,13 +268,11 @@ def build(engine: Engine) -> gr.Blocks:
                 s.stop.set()
 
         gen_outputs = [chatbot, session, msg, stats, chat_list, step_pick, title]
-        ctl_inputs = [system, decoding, acceptance, epsilon, delta, temperature, top_p, max_new, tree, colors]
         common = {"concurrency_id": "generate", "concurrency_limit": 1}
-        send_event = send_btn.click(send, [msg, session, *ctl_inputs], gen_outputs, api_name="send", **common)
-        submit_event = msg.submit(send, [msg, session, *ctl_inputs], gen_outputs, api_name=False, **common)
-        regen_event = regen_btn.click(regenerate, [session, *ctl_inputs], gen_outputs, api_name="regenerate", **common)
+        send_btn.click(send, [msg, session, *controls], gen_outputs, api_name="send", **common)
+        msg.submit(send, [msg, session, *controls], gen_outputs, api_name=False, **common)
+        regen_btn.click(regenerate, [session, *controls], gen_outputs, api_name="regenerate", **common)
         stop_btn.click(stop, [session], None, api_name="stop", queue=False)
-        del send_event, submit_event, regen_event
 
         def new_chat(s, col):
             s = _session(s, engine)
@@ -373,7 +371,7 @@ def build(engine: Engine) -> gr.Blocks:
                 f"1.00 tokens/step · <b>speedup {speedup:.2f}×</b></div>"
             )
 
-        compare_btn.click(compare, [session, *ctl_inputs], compare_out, api_name="compare", **common)
+        compare_btn.click(compare, [session, *controls], compare_out, api_name="compare", **common)
 
         def inspect(step, s):
             if s is None or not s.events:

@@ -30,10 +30,3 @@ def keep_path(cache: DynamicCache, prefix_len: int, path: Tensor) -> None:
         layer.values[..., prefix_len:end, :] = layer.values[..., keep, :]
         layer.keys = layer.keys[..., :end, :]
         layer.values = layer.values[..., :end, :]
-
-
-def crop(cache: DynamicCache, new_length: int) -> None:
-    """Drop everything after the first `new_length` entries."""
-    extra = length(cache) - new_length
-    if extra > 0:
-        cache.crop(-extra)

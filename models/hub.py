@@ -41,7 +41,6 @@ class Plan:
     revision: str  # the commit the files come from
     folder: Path  # the snapshot folder in the hub cache
     missing: tuple[tuple[str, int], ...]  # (file, size) still to fetch
-    cached_bytes: int
 
     @property
     def missing_bytes(self) -> int:
@@ -98,8 +97,7 @@ def plan(
         infos = one_weight_format(infos)
     folder = Path(infos[0].local_path[: -len(infos[0].filename)])
     missing = tuple((i.filename, i.file_size or 0) for i in infos if i.will_download)
-    cached = sum(i.file_size or 0 for i in infos if not i.will_download)
-    return Plan(repo_id, infos[0].commit_hash, folder, missing, cached)
+    return Plan(repo_id, infos[0].commit_hash, folder, missing)
 
 
 def one_weight_format(infos: list) -> list:

@@ -194,6 +194,12 @@ def test_real_browser_shows_step_markers_and_typical_controls(app, tmp_path):
         page.locator("#epsilon input[type=number]").fill("0.2")
         page.locator("#epsilon input[type=number]").press("Enter")
         page.wait_for_function("document.querySelector('#epsilon input[type=range]').value === '0.2'", timeout=10_000)
+        settings = app.home / "config" / "medusa-chat" / "settings.json"
+        deadline = time.time() + 10
+        while time.time() < deadline and '"epsilon": 0.2' not in (settings.read_text() if settings.exists() else ""):
+            time.sleep(0.2)
+        saved = json.loads(settings.read_text())
+        assert saved["acceptance"] == "Typical" and saved["epsilon"] == 0.2 and saved["decoding"] == "Medusa"
         shot = tmp_path / "browser.png"
         page.screenshot(path=str(shot), full_page=True)
         browser.close()
