@@ -74,6 +74,24 @@ def parser() -> argparse.ArgumentParser:
     ui.add_argument("--device", default="auto", help="auto, cpu or cuda")
     ui.add_argument("--quantization", default="auto", choices=["auto", "none", "nf4", "int8"])
 
+    train = sub.add_parser("train-heads", help="train Medusa heads for a model by self-distillation")
+    train.add_argument("--model", default="smollm2-135m-instruct", help="catalog id, hub repo id or model folder")
+    train.add_argument("--prompts", required=True, help='JSONL seed prompts, one {"prompt": ...} per line')
+    train.add_argument("--out", required=True, help="folder for the trained heads")
+    train.add_argument("--work-dir", help="transcripts go here (default: OUT/data); a rerun resumes")
+    train.add_argument("--num-heads", type=int, default=4)
+    train.add_argument("--layers", type=int, default=1, help="residual blocks per head")
+    train.add_argument("--own-lm-head", action="store_true", help="a vocabulary projection per head (large)")
+    train.add_argument("--epochs", type=int, default=5)
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--decay", type=float, default=0.8, help="loss weight λ^k of head k")
+    train.add_argument("--batch-size", type=int, default=32, help="prompts per generation batch")
+    train.add_argument("--max-new-tokens", type=int, default=160)
+    train.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    train.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    train.add_argument("--quantization", default="auto", choices=["auto", "none", "nf4", "int8"])
+    train.add_argument("--seed", type=int, default=0)
+
     sub.add_parser("models", help="list the model catalog and what is downloaded")
     download = sub.add_parser("download", help="fetch a catalog model (backbone and heads)")
     download.add_argument("id", help="catalog id (see `medusa-chat models`) or hub repo id")
@@ -91,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             "models": _models,
             "download": _download,
             "ui": _ui,
+            "train-heads": _train_heads,
         }
         return commands[args.command](args)
     except UserError as e:
@@ -315,6 +334,72 @@ def _download(args: argparse.Namespace) -> int:
         return 0
     spec = resolve(args.id)
     print(f"{args.id} is ready in {spec.folder}" + (f" (heads in {spec.heads_folder})" if spec.heads_folder else ""))
+    return 0
+
+
+def _train_heads(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm.auto import tqdm
+
+    from core import train
+    from models.heads import MedusaHeads
+    from models.loader import load_backbone
+
+    if not 1 <= args.num_heads <= 8 or not 1 <= args.layers <= 4:
+        raise UserError("--num-heads must be 1 to 8 and --layers 1 to 4.")
+    if args.epochs < 1 or not 0 < args.decay <= 1 or args.lr <= 0:
+        raise UserError("--epochs must be ≥ 1, --decay in (0, 1] and --lr > 0.")
+    prompts = _read_prompts(args.prompts)
+    out = Path(args.out).expanduser()
+    work = Path(args.work_dir).expanduser() if args.work_dir else out / "data"
+    backbone = load_backbone(args.model, args.dtype, args.device, args.quantization)
+    model, tokenizer = backbone.model, backbone.tokenizer
+    encoded = [backbone.encode_chat(p) for p in prompts]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else backbone.eos_ids[0]
+
+    # 1) self-distillation (resumable)
+    transcripts = work / "transcripts.jsonl"
+    with tqdm(total=len(prompts), desc="answering prompts", unit="prompt") as bar:
+        bar.update(train.done_records(transcripts))
+
+        def advance(done: int, total: int) -> None:
+            bar.update(done - bar.n)
+
+        train.distill(model, encoded, transcripts, backbone.eos_ids, pad, args.batch_size, args.max_new_tokens, advance)
+    records = train.read_records(transcripts)
+
+    # 2) hidden states, once
+    print(f"computing hidden states of {len(records)} transcripts…", file=sys.stderr)
+    data = train.features(model, records, args.num_heads)
+
+    # 3) training
+    lm_head = model.get_output_embeddings()
+    for p in lm_head.parameters():
+        p.requires_grad_(False)
+    vocab, hidden = lm_head.weight.shape
+    torch.manual_seed(args.seed)
+    heads = MedusaHeads(hidden, vocab, args.num_heads, args.layers, None if args.own_lm_head else lm_head)
+    heads = heads.to(device=model.device, dtype=torch.float32)
+    data = train.Features(data.hidden.to(model.device), data.targets.to(model.device))
+    result = None
+    with tqdm(desc="training heads", unit="batch") as bar:
+        for step, loss, accuracy in train.train(heads, data, args.epochs, args.lr, args.decay, seed=args.seed):
+            if accuracy is None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}")
+            else:
+                result = accuracy
+                top1 = " ".join(f"{a:.2f}" for a in accuracy.top1)
+                bar.write(f"after step {step}: held-out top-1 per head {top1}, loss {accuracy.loss:.3f}")
+    heads.to(dtype=model.dtype).save(out, base_model=args.model)
+    card = {
+        "base_model": args.model, "prompts": len(prompts), "transcripts": len(records),
+        "positions": len(data.hidden), "num_heads": args.num_heads, "layers": args.layers,
+        "shared_lm_head": not args.own_lm_head, "epochs": args.epochs, "lr": args.lr, "decay": args.decay,
+        "held_out_top1": list(result.top1), "held_out_top5": list(result.top5),
+    }  # fmt: skip
+    (out / "training.json").write_text(json.dumps(card, indent=1) + "\n", encoding="utf-8")
+    print(f"heads saved in {out}; held-out top-1 per head: {', '.join(f'{a:.2f}' for a in result.top1)}")
     return 0
 
 

@@ -69,7 +69,8 @@ class MedusaHeads(nn.Module):
         if self._shared is None:
             return torch.stack([h(hidden) for h in heads], dim=-2)
         states = torch.stack([h(hidden) for h in heads], dim=-2)  # (…, count, H)
-        return self._shared[0](states)  # one matmul for all heads
+        lm_head = self._shared[0]
+        return lm_head(states.to(lm_head.weight.dtype))  # one matmul for all heads
 
     def save(self, folder: str | Path, base_model: str = "") -> None:
         folder = Path(folder)

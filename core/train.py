@@ -1,0 +1,216 @@
+"""Medusa-1 head training by self-distillation (paper §3.2.1, §3.3.2), with a frozen backbone.
+
+1) distill: the backbone answers seed prompts greedily, in batches; records are appended to a
+   JSONL file per batch, so an interrupted run resumes where it stopped.
+2) features: one backbone pass per transcript gives the last hidden states (after the final
+   norm); they are computed once and kept, with the token ids they predict.
+3) train: head k (0-based) at position t learns token t + k + 2 (the backbone's own lm_head
+   predicts t + 1), with loss Σ_k λ^k · CE, on a held-out split; per-head top-1/top-5.
+
+This module knows heads only as a module mapping (…, H) hidden states to (…, K, V) logits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from transformers import PreTrainedModel
+
+from core.errors import UserError
+
+# -- 1) self-distillation ---------------------------------------------------------------------
+
+
+def done_records(out_file: Path) -> int:
+    """How many prompts a previous run finished (complete lines only)."""
+    if not out_file.exists():
+        return 0
+    lines = out_file.read_text(encoding="utf-8").splitlines()
+    good = 0
+    for line in lines:
+        try:
+            json.loads(line)
+        except ValueError:
+            break  # a line cut by an interruption: redo from here
+        good += 1
+    if good != len(lines):  # drop the partial tail so appends stay valid JSONL
+        out_file.write_text("".join(line + "\n" for line in lines[:good]), encoding="utf-8")
+    return good
+
+
+def distill(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    out_file: Path,
+    eos_ids: tuple[int, ...],
+    pad_id: int,
+    batch_size: int = 32,
+    max_new_tokens: int = 160,
+    progress: Callable[[int, int], None] = lambda done, total: None,
+) -> int:
+    """Greedy answers to `prompts` (token ids), appended to `out_file`; returns records written.
+
+    Prompts are sorted by length within the run so batches pad little, and a record keeps its
+    prompt's index so the file order does not matter."""
+    start = done_records(out_file)
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    todo = order[start:]
+    written = 0
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    for b in range(0, len(todo), batch_size):
+        batch = todo[b : b + batch_size]
+        answers = _generate_batch(model, [prompts[i] for i in batch], eos_ids, pad_id, max_new_tokens)
+        with out_file.open("a", encoding="utf-8") as f:
+            for i, answer in zip(batch, answers, strict=True):
+                f.write(json.dumps({"index": i, "prompt_ids": prompts[i], "answer_ids": answer}) + "\n")
+        written += len(batch)
+        progress(start + written, len(prompts))
+    return written
+
+
+def _generate_batch(
+    model: PreTrainedModel, prompts: list[list[int]], eos_ids: tuple[int, ...], pad_id: int, max_new_tokens: int
+) -> list[list[int]]:
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=model.device)  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    with torch.inference_mode():
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+            eos_token_id=list(eos_ids) or None, pad_token_id=pad_id,
+        )  # fmt: skip
+    answers = []
+    for row in out[:, width:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+        answers.append(row[:cut])
+    return answers
+
+
+def read_records(file: Path) -> list[dict]:
+    return [json.loads(line) for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+# -- 2) features ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Features:
+    hidden: Tensor  # (N, H) last hidden state at each training position
+    targets: Tensor  # (N, K) token each head must predict there (-100: past the end)
+
+
+def head_targets(ids: list[int], positions: range, num_heads: int) -> Tensor:
+    """(len(positions), K): head k at position t predicts ids[t + k + 2], or -100 past the end."""
+    rows = []
+    for t in positions:
+        rows.append([ids[t + k + 2] if t + k + 2 < len(ids) else -100 for k in range(num_heads)])
+    return torch.tensor(rows, dtype=torch.long).reshape(len(positions), num_heads)
+
+
+def features(model: PreTrainedModel, records: list[dict], num_heads: int) -> Features:
+    """Hidden states of every answer position (from the prompt's last token on), one pass each."""
+    hidden, targets = [], []
+    with torch.inference_mode():
+        for r in records:
+            ids = r["prompt_ids"] + r["answer_ids"]
+            positions = range(len(r["prompt_ids"]) - 1, len(ids) - 2)  # something left for head 0
+            if len(positions) == 0:
+                continue
+            out = model.base_model(input_ids=torch.tensor([ids], device=model.device))
+            hidden.append(out.last_hidden_state[0, positions.start : positions.stop].float().cpu())
+            targets.append(head_targets(ids, positions, num_heads))
+    if not hidden:
+        raise UserError(
+            f"None of the {len(records)} transcripts is long enough to train on; "
+            "use more prompts or a larger --max-new-tokens."
+        )
+    return Features(torch.cat(hidden).clone(), torch.cat(targets))  # clone: a normal tensor, usable by autograd
+
+
+# -- 3) training ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HeadAccuracy:
+    top1: tuple[float, ...]  # per head, on the held-out split
+    top5: tuple[float, ...]
+    loss: float  # weighted held-out loss
+
+
+def split(n: int, held_out: float, seed: int = 0) -> tuple[Tensor, Tensor]:
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    cut = max(1, int(n * held_out))
+    return torch.tensor(order[cut:]), torch.tensor(order[:cut])
+
+
+def medusa_loss(logits: Tensor, targets: Tensor, decay: float) -> Tensor:
+    """Σ_k decay^k · CE(logits[:, k], targets[:, k]); logits (B, K, V), targets (B, K)."""
+    total = logits.new_zeros((), dtype=torch.float32)
+    for k in range(logits.shape[1]):
+        if (targets[:, k] != -100).any():
+            total = total + decay**k * nn.functional.cross_entropy(
+                logits[:, k].float(), targets[:, k], ignore_index=-100
+            )
+    return total
+
+
+def evaluate(heads: nn.Module, data: Features, index: Tensor, decay: float, batch: int = 256) -> HeadAccuracy:
+    k = data.targets.shape[1]
+    hit1, hit5, count = torch.zeros(k), torch.zeros(k), torch.zeros(k)
+    loss, batches = 0.0, 0
+    with torch.inference_mode():
+        for b in range(0, len(index), batch):
+            i = index[b : b + batch]
+            logits, target = heads(data.hidden[i]), data.targets[i]
+            loss += medusa_loss(logits, target, decay).item()
+            batches += 1
+            top5 = logits.topk(5, dim=-1).indices  # (B, K, 5)
+            valid = target != -100
+            hit1 += ((top5[..., 0] == target) & valid).sum(0)
+            hit5 += ((top5 == target[..., None]).any(-1) & valid).sum(0)
+            count += valid.sum(0)
+    count = count.clamp(min=1)
+    return HeadAccuracy(tuple((hit1 / count).tolist()), tuple((hit5 / count).tolist()), loss / max(batches, 1))
+
+
+def train(
+    heads: nn.Module,
+    data: Features,
+    epochs: int = 5,
+    lr: float = 1e-3,
+    decay: float = 0.8,
+    batch_size: int = 256,
+    held_out: float = 0.1,
+    weight_decay: float = 0.01,
+    seed: int = 0,
+) -> Iterator[tuple[int, float, HeadAccuracy | None]]:
+    """Train in place; yields (step, loss) every batch and the held-out accuracy after each epoch."""
+    torch.manual_seed(seed)
+    train_idx, val_idx = split(len(data.hidden), held_out, seed)
+    params = [p for p in heads.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    steps = epochs * math.ceil(len(train_idx) / batch_size)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=max(steps, 1), pct_start=0.1)
+    step = 0
+    for _ in range(epochs):
+        heads.train()
+        order = train_idx[torch.randperm(len(train_idx))]
+        for b in range(0, len(order), batch_size):
+            i = order[b : b + batch_size]
+            loss = medusa_loss(heads(data.hidden[i]), data.targets[i], decay)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            step += 1
+            yield step, loss.item(), None
+        heads.eval()
+        yield step, float("nan"), evaluate(heads, data, val_idx, decay)
