@@ -92,13 +92,14 @@ def _model_choices() -> list[tuple[str, str]]:
 def build(engine: Engine) -> gr.Blocks:
     saved = DEFAULTS | store.load_settings()
     trees = preset_names()
+    chats, startup_problems = _chat_choices()  # damaged files found now are reported on the first page load
 
     with gr.Blocks(title="medusa-chat") as demo:
         session = gr.State(None)
         with gr.Sidebar(open=True):
             gr.Markdown("### Chats")
             new_btn = gr.Button("New chat", variant="secondary")
-            chat_list = gr.Radio(choices=_chat_choices()[0], label="Past chats", elem_id="chat-list")
+            chat_list = gr.Radio(choices=chats, label="Past chats", elem_id="chat-list")
             title = gr.Textbox(label="Title", placeholder="Rename this chat")
             with gr.Row():
                 rename_btn = gr.Button("Rename", size="sm")
@@ -296,7 +297,7 @@ def build(engine: Engine) -> gr.Blocks:
                 _messages(s.chat, col),
                 s,
                 s.chat.title,
-                stats_html(last, [], []) if last else stats_html({}, [], []),
+                stats_html(last, [], []),
             )
 
         chat_list.input(open_chat, [chat_list, session, colors], [chatbot, session, title, stats])
@@ -419,8 +420,9 @@ def build(engine: Engine) -> gr.Blocks:
         def on_load(s):
             s = _session(s, engine)
             _, problems = _chat_choices()
-            for p in problems:
+            for p in startup_problems + problems:
                 gr.Warning(p)
+            startup_problems.clear()
             return s, engine.status()
 
         demo.load(on_load, session, [session, status])

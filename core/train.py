@@ -57,11 +57,10 @@ def distill(
 ) -> int:
     """Greedy answers to `prompts` (token ids), appended to `out_file`; returns records written.
 
-    Prompts are sorted by length within the run so batches pad little, and a record keeps its
-    prompt's index so the file order does not matter."""
-    start = done_records(out_file)
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    todo = order[start:]
+    A record keeps its prompt's index: a rerun skips the indices already in the file. Prompts
+    are sorted by length so batches pad little."""
+    done = {r["index"] for r in read_records(out_file)} if done_records(out_file) else set()
+    todo = sorted((i for i in range(len(prompts)) if i not in done), key=lambda i: len(prompts[i]))
     written = 0
     out_file.parent.mkdir(parents=True, exist_ok=True)
     for b in range(0, len(todo), batch_size):
@@ -71,7 +70,7 @@ def distill(
             for i, answer in zip(batch, answers, strict=True):
                 f.write(json.dumps({"index": i, "prompt_ids": prompts[i], "answer_ids": answer}) + "\n")
         written += len(batch)
-        progress(start + written, len(prompts))
+        progress(len(done) + written, len(prompts))
     return written
 
 
@@ -163,8 +162,8 @@ def medusa_loss(logits: Tensor, targets: Tensor, decay: float) -> Tensor:
 
 
 def evaluate(heads: nn.Module, data: Features, index: Tensor, decay: float, batch: int = 256) -> HeadAccuracy:
-    k = data.targets.shape[1]
-    hit1, hit5, count = torch.zeros(k), torch.zeros(k), torch.zeros(k)
+    k, device = data.targets.shape[1], data.targets.device
+    hit1, hit5, count = (torch.zeros(k, device=device) for _ in range(3))
     loss, batches = 0.0, 0
     with torch.inference_mode():
         for b in range(0, len(index), batch):

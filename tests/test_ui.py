@@ -14,9 +14,12 @@ from pathlib import Path
 
 import pytest
 from gradio_client import Client
+from playwright.sync_api import sync_playwright
 
 pytestmark = pytest.mark.embedded
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+BROWSER_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                "--disable-sync", "--no-first-run", "--disable-quic"]  # fmt: skip
 
 
 def free_port() -> int:
@@ -153,30 +156,44 @@ def test_a_killed_app_loses_no_finished_turn(tmp_path):
         second.stop()
 
 
-def test_a_damaged_chat_file_is_set_aside(tmp_path):
-    chats = tmp_path / "data" / "medusa-chat" / "chats"
+def damaged_chat(home: Path) -> Path:
+    chats = home / "data" / "medusa-chat" / "chats"
     chats.mkdir(parents=True)
     (chats / "broken.json").write_text('{"id": "broken", "turns": [')
+    return chats
+
+
+def test_a_damaged_chat_file_is_set_aside(tmp_path):
+    chats = damaged_chat(tmp_path)
     app = App(tmp_path)
     try:
         app.client()
-        Client(app.url, verbose=False)  # a page load lists the chats
     finally:
         app.stop()
     assert (chats / "broken.corrupt").exists() and not (chats / "broken.json").exists()
 
 
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium (.ci/run installs it)")
-def test_real_browser_shows_step_markers_and_typical_controls(app, tmp_path):
-    from playwright.sync_api import sync_playwright
+def test_the_user_is_told_about_a_damaged_chat_file(tmp_path):
+    damaged_chat(tmp_path)
+    app = App(tmp_path)
+    try:
+        app.client()
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
+            page = browser.new_page()
+            page.goto(app.url)
+            page.get_by_text("A damaged chat file was set aside as broken.corrupt.").wait_for(timeout=30_000)
+            browser.close()
+    finally:
+        app.stop()
 
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium (.ci/run installs it)")
+def test_real_browser_shows_step_markers_and_typical_controls(app, tmp_path):
     app.client()
     with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                  "--disable-sync", "--no-first-run", "--disable-quic"],
-        )  # fmt: skip
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(app.url)
         page.locator("#msg textarea").fill("Give me a short list of three fruits.")
