@@ -163,10 +163,10 @@ def _setup(args: argparse.Namespace, need_drafter: bool):
     chosen = load_tree(args.tree) if args.tree else None  # a bad tree is refused before any download
     spec = resolve(args.model)
     tree_name, tree = chosen or load_tree(spec.tree if spec.tree in preset_names() else "cpu-16")
+    heads_dir = (resolve_heads(args.heads) if args.heads else spec.heads_folder) if need_drafter else None
     backbone = load_backbone(args.model, args.dtype, args.device, args.quantization, spec=spec)
     if not need_drafter:
         return settings, backbone, None, tree_name
-    heads_dir = resolve_heads(args.heads) if args.heads else spec.heads_folder
     heads, trained = heads_for(backbone, heads_dir, num_heads=max(tree.max_depth, 4))
     if not trained:
         print(

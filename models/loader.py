@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -95,7 +96,7 @@ def resolve(name: str, on_progress=None) -> ModelSpec:
     local = Path(name).expanduser()
     if (local / "config.json").is_file():
         return ModelSpec(name, local, local, None, None, "cpu-16")
-    if local.exists() or name.count("/") != 1:
+    if local.exists() or not _is_repo_id(name):
         raise UserError(
             f"Unknown model '{name}'; use a catalog id (see `medusa-chat models`), a hub repo id such as "
             "org/name, or a folder with config.json and weights."
@@ -115,12 +116,17 @@ def _fetch_source(source: catalog.Source, label: str, on_progress, weights: bool
     )
 
 
+def _is_repo_id(name: str) -> bool:
+    """ "org/name" as the hub spells it; anything else (a path like /x or ./x) is a folder."""
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", name) is not None and ".." not in name
+
+
 def resolve_heads(name: str, on_progress=None) -> Path:
     """--heads: a local folder or a hub repo id."""
     local = Path(name).expanduser()
     if local.is_dir():
         return local
-    if local.exists() or name.count("/") != 1:
+    if local.exists() or not _is_repo_id(name):
         raise UserError(f"No heads folder '{name}'; pass a folder with Medusa heads or a hub repo id (org/name).")
     return hub.fetch(name, patterns=HEAD_FILES, on_progress=on_progress)
 

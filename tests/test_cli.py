@@ -117,6 +117,7 @@ def test_bad_input_gives_one_sentence_and_a_nonzero_exit(tmp_path, random_heads_
         "epsilon zero": (["generate", "--prompt", "hi", "--acceptance", "typical", "--epsilon", "0"], "ε"),
         "foreign heads": (["generate", "--prompt", "hi", "--heads", str(other)], "hidden size 64"),
         "unknown model": (["generate", "--prompt", "hi", "--model", str(tmp_path / "none")], "Unknown model"),
+        "missing heads folder": (["generate", "--prompt", "hi", "--heads", "/no-such-heads"], "No heads folder"),
         "bad prompt file": (["bench", "--prompts", str(bad_prompts)], "Line 2"),
         "unknown mode": (["bench", "--prompts", str(bad_prompts), "--modes", "fast"], "Unknown bench mode"),
     }

@@ -3,7 +3,7 @@ import torch
 
 from core.errors import UserError
 from models.cpu import TransposedLinear, transpose_linears
-from models.loader import pick_dtype, resolve
+from models.loader import pick_dtype, resolve, resolve_heads
 from tests.helpers import tiny_model
 
 
@@ -33,3 +33,11 @@ def test_unknown_model_is_refused(tmp_path):
         resolve(str(tmp_path))  # a folder without config.json
     with pytest.raises(UserError, match="Unknown model 'not-a-model'"):
         resolve("not-a-model")
+    with pytest.raises(UserError, match="Unknown model '/not-a-model'"):
+        resolve("/not-a-model")  # a path, not a hub repo id, although it has one slash
+
+
+def test_heads_paths_are_not_taken_for_hub_repos():
+    for path in ("/nope", "./nope", "nope", "~/nope"):
+        with pytest.raises(UserError, match="No heads folder"):
+            resolve_heads(path)
