@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from core.drafters import MedusaDrafter
+from core.drafters import make_drafter
 from core.errors import UserError
 from core.generate import Finished, StepEvent, stream
 from core.settings import DecodeSettings
-from core.tree import TreeBuffers, load_tree
+from core.step import Drafter
+from core.tree import Preset, load_preset
 from models.loader import Backbone, heads_for, load_backbone, resolve, resolve_heads
 
 log = logging.getLogger("medusa-chat")
@@ -40,7 +41,7 @@ class Engine:
         self.model_id = model
         self.loaded: Loaded | None = None
         self.error: str | None = None
-        self._trees: dict[str, tuple[TreeBuffers, MedusaDrafter]] = {}
+        self._drafters: dict[tuple[str, str], tuple[Preset, Drafter]] = {}
 
     def start(self) -> None:
         """Load the initial model in the background."""
@@ -61,7 +62,7 @@ class Engine:
         heads_dir = resolve_heads(self.heads_arg) if self.heads_arg and model == self.model_id else spec.heads_folder
         heads, trained = heads_for(backbone, heads_dir)
         self.loaded, self.model_id, self.error = Loaded(backbone, heads, trained, spec.tree), model, None
-        self._trees.clear()
+        self._drafters.clear()
 
     def status(self) -> str:
         if self.error:
@@ -78,26 +79,33 @@ class Engine:
             raise UserError(self.error or f"{self.model_id} is still loading; try again in a moment.")
         return self.loaded
 
-    def drafter(self, tree_name: str) -> tuple[TreeBuffers, MedusaDrafter]:
-        if tree_name not in self._trees:
+    def drafter(self, tree_name: str, kind: str | None = None) -> tuple[Preset, Drafter]:
+        """The tree preset and a drafter of `kind` (default: the one the preset was calibrated for)."""
+        key = (tree_name, kind or "")
+        if key not in self._drafters:
             loaded = self.require()
-            name, tree = load_tree(tree_name)
-            tree = tree.to(loaded.backbone.model.device)
-            self._trees[tree_name] = (tree, MedusaDrafter(loaded.heads, tree, tree_name=f"Tree '{name}'"))
-        return self._trees[tree_name]
+            preset = load_preset(tree_name)
+            tree = preset.tree.to(loaded.backbone.model.device)
+            drafter = make_drafter(
+                kind or preset.drafter, loaded.heads, tree, f"Tree '{preset.name}'",
+                preset.lookup_branches, preset.lookup_length,
+            )  # fmt: skip
+            self._drafters[key] = (preset, drafter)
+        return self._drafters[key]
 
     def generate(
         self,
         messages: list[dict],
         system: str,
         settings: DecodeSettings,
-        medusa: bool,
+        drafter_kind: str | None,
         tree_name: str,
         should_stop: Callable[[], bool],
     ) -> Iterator[StepEvent | Finished]:
+        """`drafter_kind`: "medusa", "lookup", "hybrid", "" for the tree's own, None for plain decoding."""
         loaded = self.require()
         b = loaded.backbone
-        drafter = self.drafter(tree_name)[1] if medusa else None
+        drafter = None if drafter_kind is None else self.drafter(tree_name, drafter_kind or None)[1]
         prompt = b.encode_messages(messages, system or None)
         generator = torch.Generator(b.model.device).manual_seed(torch.seed() % 2**63)
         return stream(b.model, prompt, settings, drafter, b.tokenizer, b.eos_ids, generator, should_stop)

@@ -37,6 +37,11 @@ def _decoding_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epsilon", type=float, default=0.09, help="typical: probability threshold ε")
     p.add_argument("--delta", type=float, default=0.3, help="typical: entropy threshold δ")
     p.add_argument("--tree", help="tree preset name or JSON file (default: the model's)")
+    p.add_argument(
+        "--drafter",
+        choices=["medusa", "lookup", "hybrid"],
+        help="medusa: heads; lookup: copies from the conversation; hybrid: both in one tree (default: the tree's)",
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -51,14 +56,18 @@ def parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="answer one prompt")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--system", help="system prompt")
-    gen.add_argument("--mode", default="medusa", choices=["medusa", "baseline"])
+    gen.add_argument("--mode", default="medusa", choices=["medusa", "baseline"], help="medusa: tree decoding")
     gen.add_argument("--num-samples", type=int, default=1, help="independent samples (seeded from --seed)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     _decoding_options(gen)
 
     bench = sub.add_parser("bench", help="compare decoding modes on a prompt file")
     bench.add_argument("--prompts", required=True, help='JSONL file, one {"prompt": ...} per line')
-    bench.add_argument("--modes", default="medusa,baseline,hf,hf-pld")
+    bench.add_argument(
+        "--modes",
+        help="comma-separated: medusa, lookup, hybrid (tree decoding with that drafter), baseline (our plain "
+        "loop), hf, hf-pld (transformers generate, plain and prompt lookup); default: drafter,baseline,hf,hf-pld",
+    )
     bench.add_argument("--system", help="system prompt for every prompt")
     bench.add_argument("--json", dest="json_out", metavar="OUT", help="write the results here")
     _decoding_options(bench)
@@ -82,6 +91,11 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--num-heads", type=int, default=4)
     train.add_argument("--layers", type=int, default=1, help="residual blocks per head")
     train.add_argument("--own-lm-head", action="store_true", help="a vocabulary projection per head (large)")
+    train.add_argument(
+        "--full-vocab",
+        action="store_true",
+        help="shared heads read out over the whole vocabulary (default: the tokens the model wrote in the transcripts)",
+    )
     train.add_argument("--epochs", type=int, default=5)
     train.add_argument("--lr", type=float, default=1e-3)
     train.add_argument("--decay", type=float, default=0.8, help="loss weight λ^k of head k")
@@ -93,6 +107,20 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=0)
 
     sub.add_parser("models", help="list the model catalog and what is downloaded")
+    cal = sub.add_parser(
+        "calibrate", help="measure the heads and this machine; write the tree preset that decodes fastest"
+    )
+    cal.add_argument("--model", default="smollm2-135m-instruct", help="catalog id, hub repo id or model folder")
+    cal.add_argument("--heads", help="Medusa heads: a folder or a hub repo id (default: the model's own)")
+    cal.add_argument("--prompts", help="JSONL calibration prompts (default: the shipped calibration set)")
+    cal.add_argument("--max-prompts", type=int, default=60, help="use at most this many prompts")
+    cal.add_argument("--max-new-tokens", type=int, default=128)
+    cal.add_argument("--budgets", default="0,1,2,3,4,6,8,10,12,16,20,24,32,48,64", help="tree sizes to try")
+    cal.add_argument("--out", help="preset file to write (default: ./MODEL-calibrated.json)")
+    cal.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    cal.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    cal.add_argument("--quantization", default="auto", choices=["auto", "none", "nf4", "int8"])
+
     download = sub.add_parser("download", help="fetch a catalog model (backbone and heads)")
     download.add_argument("id", help="catalog id (see `medusa-chat models`) or hub repo id")
     return root
@@ -110,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             "download": _download,
             "ui": _ui,
             "train-heads": _train_heads,
+            "calibrate": _calibrate,
         }
         return commands[args.command](args)
     except UserError as e:
@@ -153,28 +182,36 @@ def _settings(args: argparse.Namespace):
     )
 
 
-def _setup(args: argparse.Namespace, need_drafter: bool):
-    """Validate cheap things first, then load: (settings, backbone, drafter or None, tree name)."""
-    from core.drafters import MedusaDrafter
-    from core.tree import load_tree, preset_names
+def _setup(args: argparse.Namespace, kinds: tuple[str, ...] | None):
+    """Validate cheap things first, then load: (settings, backbone, {drafter kind: drafter}, preset).
+
+    `kinds` None means the drafter chosen by --drafter or, failing that, by the tree preset."""
+    from core.drafters import make_drafter
+    from core.tree import load_preset, preset_names
     from models.loader import heads_for, load_backbone, resolve, resolve_heads
 
     settings = _settings(args)
-    chosen = load_tree(args.tree) if args.tree else None  # a bad tree is refused before any download
+    chosen = load_preset(args.tree) if args.tree else None  # a bad tree is refused before any download
     spec = resolve(args.model)
-    tree_name, tree = chosen or load_tree(spec.tree if spec.tree in preset_names() else "cpu-16")
-    heads_dir = (resolve_heads(args.heads) if args.heads else spec.heads_folder) if need_drafter else None
+    preset = chosen or load_preset(spec.tree if spec.tree in preset_names() else "cpu-16")
+    kinds = kinds if kinds is not None else (args.drafter or preset.drafter,)
+    need_heads = any(k in ("medusa", "hybrid") for k in kinds)
+    heads_dir = (resolve_heads(args.heads) if args.heads else spec.heads_folder) if need_heads else None
     backbone = load_backbone(args.model, args.dtype, args.device, args.quantization, spec=spec)
-    if not need_drafter:
-        return settings, backbone, None, tree_name
-    heads, trained = heads_for(backbone, heads_dir, num_heads=max(tree.max_depth, 4))
-    if not trained:
-        print(
-            "warning: no trained Medusa heads for this model, so drafts are rarely accepted; pass --heads FOLDER.",
-            file=sys.stderr,
-        )
-    drafter = MedusaDrafter(heads, tree.to(backbone.model.device), tree_name=f"Tree '{tree_name}'")
-    return settings, backbone, drafter, tree_name
+    heads = None
+    if need_heads:
+        heads, trained = heads_for(backbone, heads_dir, num_heads=max(preset.tree.max_depth, 4))
+        if not trained:
+            print(
+                "warning: no trained Medusa heads for this model, so drafts are rarely accepted; pass --heads FOLDER.",
+                file=sys.stderr,
+            )
+    tree = preset.tree.to(backbone.model.device)
+    drafters = {
+        k: make_drafter(k, heads, tree, f"Tree '{preset.name}'", preset.lookup_branches, preset.lookup_length)
+        for k in kinds
+    }
+    return settings, backbone, drafters, preset
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -186,7 +223,8 @@ def _generate(args: argparse.Namespace) -> int:
         raise UserError("The prompt is empty; pass --prompt with some text.")
     if args.num_samples < 1:
         raise UserError(f"--num-samples must be at least 1, got {args.num_samples}.")
-    settings, backbone, drafter, _ = _setup(args, need_drafter=args.mode == "medusa")
+    settings, backbone, drafters, preset = _setup(args, None if args.mode == "medusa" else ())
+    drafter = next(iter(drafters.values()), None)
     prompt_ids = backbone.encode_chat(args.prompt, args.system)
     generator = torch.Generator(backbone.model.device).manual_seed(args.seed)
     painter = _Painter(enabled=not args.json and sys.stdout.isatty())
@@ -229,6 +267,8 @@ def _generate(args: argparse.Namespace) -> int:
         result = {
             "model": args.model,
             "mode": args.mode,
+            "drafter": next(iter(drafters), None),
+            "tree": preset.name,
             "acceptance": args.acceptance,
             "samples": samples,
         }
@@ -276,11 +316,18 @@ def _read_prompts(file: str) -> list[str]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from core.bench import check_modes, run_bench, speedups, summarize, table
+    from core.bench import TREE_MODES, check_modes, run_bench, speedups, summarize, table
+    from core.tree import load_preset
 
-    modes = check_modes(args.modes.split(","))
+    if args.modes:
+        modes = check_modes(args.modes.split(","))
+    else:
+        default = args.drafter or (load_preset(args.tree).drafter if args.tree else None)
+        modes = (default or "default", "baseline", "hf", "hf-pld")
     prompts = _read_prompts(args.prompts)
-    settings, backbone, drafter, tree_name = _setup(args, need_drafter=True)
+    settings, backbone, drafters, preset = _setup(args, tuple(m for m in modes if m in TREE_MODES) or None)
+    if "default" in modes:  # the model's own drafter
+        modes = (next(iter(drafters)), *modes[1:])
     encoded = [backbone.encode_chat(p, args.system) for p in prompts]
     print(
         f"bench: {len(prompts)} prompts × {', '.join(modes)} on {args.model} ({backbone.model.dtype})",
@@ -294,18 +341,20 @@ def _bench(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
 
-    runs = run_bench(encoded, modes, backbone.model, settings, drafter, backbone.eos_ids, args.seed, progress)
+    runs = run_bench(encoded, modes, backbone.model, settings, drafters, backbone.eos_ids, args.seed, progress)
     summary = summarize(runs)
     print(table(summary))
     if args.json_out:
         report = {
             "model": args.model,
             "dtype": str(backbone.model.dtype).removeprefix("torch."),
-            "tree": tree_name,
+            "tree": preset.name,
+            "lookup": {"branches": preset.lookup_branches, "length": preset.lookup_length},
             "settings": asdict(settings),
             "prompts": len(prompts),
             "summary": {m: asdict(s) for m, s in summary.items()},
-            "speedup": speedups(summary),
+            "speedup": speedups(summary, modes[0]),
+            "speedups": {m: speedups(summary, m) for m in modes if m in TREE_MODES},
             "runs": [asdict(r) for r in runs],
         }
         Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -368,38 +417,157 @@ def _train_heads(args: argparse.Namespace) -> int:
         train.distill(model, encoded, transcripts, backbone.eos_ids, pad, args.batch_size, args.max_new_tokens, advance)
     records = train.read_records(transcripts)
 
-    # 2) hidden states, once
-    print(f"computing hidden states of {len(records)} transcripts…", file=sys.stderr)
-    data = train.features(model, records, args.num_heads)
+    # 2) hidden states, once, cached next to the transcripts
+    cached = work / "features.safetensors"
+    data = train.Features.load(cached, len(records), args.num_heads)
+    if data is None:
+        data = train.features(
+            model, records, args.num_heads, lambda rs: tqdm(rs, desc="hidden states", unit="transcript")
+        )
+        data.save(cached, len(records))
 
-    # 3) training
+    # 3) training; the epoch with the lowest held-out loss is kept
     lm_head = model.get_output_embeddings()
     for p in lm_head.parameters():
         p.requires_grad_(False)
     vocab, hidden = lm_head.weight.shape
     torch.manual_seed(args.seed)
-    heads = MedusaHeads(hidden, vocab, args.num_heads, args.layers, None if args.own_lm_head else lm_head)
+    subset = None
+    if not args.own_lm_head and not args.full_vocab:
+        subset = torch.unique(data.targets[data.targets >= 0])  # every token the model wrote
+        print(f"heads read out over the {len(subset)} tokens the model wrote (of {vocab})", file=sys.stderr)
+    heads = MedusaHeads(hidden, vocab, args.num_heads, args.layers, None if args.own_lm_head else lm_head, subset)
     heads = heads.to(device=model.device, dtype=torch.float32)
-    data = train.Features(data.hidden.to(model.device), data.targets.to(model.device))
-    result = None
-    with tqdm(desc="training heads", unit="batch") as bar:
+    targets = heads.target_index(data.targets.to(model.device))
+    data = train.Features(data.hidden.to(model.device), targets, data.source)
+    result, best = None, None
+    n_train = len(train.split(len(data.hidden), 0.1, args.seed, data.source)[0])
+    total = args.epochs * train.batches_per_epoch(n_train, 256)
+    with tqdm(total=total, desc="training heads", unit="batch") as bar:
         for step, loss, accuracy in train.train(heads, data, args.epochs, args.lr, args.decay, seed=args.seed):
             if accuracy is None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.3f}")
-            else:
-                result = accuracy
-                top1 = " ".join(f"{a:.2f}" for a in accuracy.top1)
-                bar.write(f"after step {step}: held-out top-1 per head {top1}, loss {accuracy.loss:.3f}")
+                continue
+            top1 = " ".join(f"{a:.2f}" for a in accuracy.top1)
+            bar.write(f"after step {step}: held-out top-1 per head {top1}, loss {accuracy.loss:.3f}")
+            if result is None or accuracy.loss < result.loss:
+                result, best = accuracy, {k: v.clone() for k, v in heads.state_dict().items()}
+    heads.load_state_dict(best)
     heads.to(dtype=model.dtype).save(out, base_model=args.model)
     card = {
         "base_model": args.model, "prompts": len(prompts), "transcripts": len(records),
         "positions": len(data.hidden), "num_heads": args.num_heads, "layers": args.layers,
-        "shared_lm_head": not args.own_lm_head, "epochs": args.epochs, "lr": args.lr, "decay": args.decay,
+        "shared_lm_head": not args.own_lm_head, "vocab_subset": None if subset is None else len(subset),
+        "epochs": args.epochs, "lr": args.lr, "decay": args.decay,
+        "max_new_tokens": args.max_new_tokens, "dtype": str(model.dtype).removeprefix("torch."),
         "held_out_top1": list(result.top1), "held_out_top5": list(result.top5),
     }  # fmt: skip
     (out / "training.json").write_text(json.dumps(card, indent=1) + "\n", encoding="utf-8")
     print(f"heads saved in {out}; held-out top-1 per head: {', '.join(f'{a:.2f}' for a in result.top1)}")
+    return 0
+
+
+LOOKUP_SETTINGS = ((1, 4), (2, 4), (3, 4), (1, 6), (2, 6), (3, 6), (4, 8))  # (branches, length) tried
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from importlib import resources
+
+    import torch
+    from tqdm.auto import tqdm
+
+    from core import calibrate as cal
+    from core import train
+    from core.drafters import LookupDrafter, MedusaDrafter
+    from core.settings import DecodeSettings
+    from core.step import NoDrafter
+    from core.tree import build_tree
+    from models.loader import heads_for, load_backbone, resolve, resolve_heads
+
+    try:
+        budgets = sorted({int(b) for b in args.budgets.split(",")})
+    except ValueError:
+        raise UserError(
+            f"--budgets must be comma-separated node counts such as 0,4,8,16, not {args.budgets!r}."
+        ) from None
+    if budgets[0] < 0 or budgets[-1] > 128 or args.max_prompts < 1:
+        raise UserError("--budgets must lie in 0…128 and --max-prompts be at least 1.")
+    default_prompts = Path(str(resources.files("assets") / "prompts" / "calibration.jsonl"))
+    prompts = _read_prompts(args.prompts or str(default_prompts))[: args.max_prompts]
+    spec = resolve(args.model)
+    heads_dir = resolve_heads(args.heads) if args.heads else spec.heads_folder
+    if not heads_dir:
+        raise UserError(f"{args.model} has no Medusa heads to calibrate; pass --heads FOLDER or train some first.")
+    backbone = load_backbone(args.model, args.dtype, args.device, args.quantization, spec=spec)
+    model = backbone.model
+    heads, _ = heads_for(backbone, heads_dir)
+    pad = backbone.tokenizer.pad_token_id if backbone.tokenizer.pad_token_id is not None else backbone.eos_ids[0]
+
+    # 1) greedy replies and the heads' candidates at every reply position
+    encoded = [backbone.encode_chat(p) for p in prompts]
+    replies = []
+    with tqdm(total=len(encoded), desc="greedy replies", unit="prompt") as bar:
+        for b in range(0, len(encoded), 8):
+            batch = encoded[b : b + 8]
+            answers = train._generate_batch(model, batch, backbone.eos_ids, pad, args.max_new_tokens)
+            for ids, answer in zip(batch, answers, strict=True):
+                if len(answer) > 1:
+                    full = ids + answer
+                    candidates = cal.head_candidates(model, heads, full, len(ids), 10)
+                    replies.append(cal.reply_positions(full, len(ids), candidates))
+            bar.update(len(batch))
+    accuracy = cal.rank_accuracies(replies)
+
+    # 2) this machine: step latency by tree size, and what drafting costs
+    print("timing verify forwards…", file=sys.stderr)
+    context = replies[0].ids
+    settings = DecodeSettings()
+    sizes = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 80, min(budgets[-1], 128) + 1})
+    trees = {n: build_tree(cal.greedy_tree(accuracy, n - 1)).to(model.device) for n in sizes}
+    verify_ms = cal.verify_latency(model, context, trees, settings)
+    hidden = torch.zeros(model.config.get_text_config().hidden_size, device=model.device, dtype=model.dtype)
+    root = torch.tensor(context[-1], device=model.device)
+    medusa = MedusaDrafter(heads, trees[max(n for n in sizes if trees[n].max_depth == heads.num_heads)])
+    heads_ms = cal.time_ms(lambda: medusa.propose(hidden, root, context))
+    lookup = LookupDrafter(None, 3, 6)
+    lookup_ms = cal.time_ms(lambda: lookup.propose(hidden, root, context[: len(context) - len(context) % 7]))
+    plain_ms = cal.time_ms(lambda: NoDrafter(model.device).propose(hidden, root)) + verify_ms[1]
+
+    def step_ms(kind: str, nodes: float) -> float:
+        extra = {"plain": 0.0, "medusa": heads_ms, "lookup": lookup_ms, "hybrid": heads_ms + lookup_ms}[kind]
+        return cal.interpolate(verify_ms, nodes) + extra
+
+    # 3) replay every option and price it
+    ranked = cal.search(replies, budgets, LOOKUP_SETTINGS, step_ms)
+    best = ranked[0]
+    print(f"\n{'drafter':<8}{'nodes':>6}{'lookup':>8}{'tok/step':>10}{'avg T':>7}{'step ms':>9}{'tok/s':>8}")
+    shown = ranked[:8] + [c for c in ranked if c.drafter == "plain"]
+    for c in shown:
+        look = f"{c.branches}×{c.length}" if c.branches else "—"
+        print(
+            f"{c.drafter:<8}{len(c.paths):>6}{look:>8}{c.tokens_per_step:>10.2f}{c.mean_nodes:>7.1f}"
+            f"{c.step_ms:>9.1f}{c.tokens_per_second:>8.1f}"
+        )
+    out = Path(args.out).expanduser() if args.out else Path(f"{spec.name.replace('/', '--')}-calibrated.json")
+    preset = {
+        "paths": best.paths,
+        "drafter": best.drafter if best.drafter != "plain" else "medusa",
+        "lookup": {"branches": best.branches or 2, "length": best.length or 4},
+        "calibration": {
+            "model": args.model, "dtype": str(model.dtype).removeprefix("torch."), "device": model.device.type,
+            "replies": len(replies), "positions": sum(r.match.shape[0] for r in replies),
+            "top1": [round(a, 4) for a in accuracy[:, 0].tolist()],
+            "top10": [round(a, 4) for a in accuracy.sum(dim=1).tolist()],
+            "verify_ms": {n: round(v, 2) for n, v in verify_ms.items()},
+            "heads_ms": round(heads_ms, 2), "lookup_ms": round(lookup_ms, 2), "plain_step_ms": round(plain_ms, 2),
+            "expected_tokens_per_step": round(best.tokens_per_step, 3), "expected_nodes": round(best.mean_nodes, 2),
+            "expected_speedup_over_plain": round(best.tokens_per_second / (1000 / plain_ms), 3),
+        },
+    }  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(preset, indent=1) + "\n", encoding="utf-8")
+    print(f"\nwrote {out}: {best.drafter}, {len(best.paths)} head nodes; use it with --tree {out}")
     return 0
 
 

@@ -22,8 +22,11 @@ _md = MarkdownIt("commonmark", {"html": False, "breaks": True}).enable("table").
 _TAG = re.compile(r"(<[^>]*>)")
 
 
-def reply_html(steps: list[tuple[str, int]], colors: bool = True, streaming: bool = False) -> str:
-    """steps: (text, drafted tokens accepted) per decoding step, in order."""
+Step = tuple  # (text, drafted tokens accepted[, source of those drafts: "heads", "context" or "both"])
+
+
+def reply_html(steps: list[Step], colors: bool = True, streaming: bool = False) -> str:
+    """steps: (text, drafted tokens accepted[, source]) per decoding step, in order."""
     rendered = _md.render(_marked(steps))
     out, step, in_pre = [], 0, False
     for piece in _TAG.split(rendered):
@@ -38,7 +41,8 @@ def reply_html(steps: list[tuple[str, int]], colors: bool = True, streaming: boo
             # chat's Markdown); elsewhere newlines are only formatting between tags
             run = run.replace("\n", "&#10;" if in_pre else "")
             if run:
-                out.append(_span(run, step, steps[step][1] if 0 <= step < len(steps) else 0))
+                info = steps[step] if 0 <= step < len(steps) else ("", 0)
+                out.append(_span(run, step, info[1], info[2] if len(info) > 2 else "heads"))
     body = "".join(out).replace("\n", "")
     mode = "spec-colors" if colors else "spec-plain"
     cursor = '<span class="cursor">▍</span>' if streaming else ""
@@ -49,13 +53,13 @@ _SYNTAX = set("`*_~#>-+=|[]()!")
 _BLOCK = set(" \t0123456789.)-*+#>`~|")  # what may start a line as Markdown block syntax
 
 
-def _marked(steps: list[tuple[str, int]]) -> str:
+def _marked(steps: list[Step]) -> str:
     """The reply with MARK at each step boundary, nudged so it never breaks Markdown syntax:
     out of a run of syntax characters (``` or **), past a line's block marker ("1. ", "- ",
     "## "), and never onto a blank line (which would join two paragraphs)."""
-    text = "".join(t for t, _ in steps)
+    text = "".join(s[0] for s in steps)
     cuts, at = [], 0
-    for t, _ in steps[:-1]:
+    for t, *_ in steps[:-1]:
         at += len(t)
         p = at
         while 0 < p < len(text) and text[p - 1] in _SYNTAX and text[p] in _SYNTAX:
@@ -94,18 +98,50 @@ def _one_line(rendered: str) -> str:
     return "".join(out)
 
 
-def _span(text: str, step: int, accepted: int) -> str:
-    color = f"c{step % PALETTE}" if accepted else "own"
-    label = f"step {step + 1}: {accepted} drafted token{'s' if accepted != 1 else ''} accepted"
-    return f'<span class="st {color}" data-step="{step + 1}" data-accepted="{accepted}" title="{label}">{text}</span>'
+SOURCE_LABEL = {"heads": "from the Medusa heads", "context": "copied from the conversation", "both": "from both"}
+
+
+def step_source(sources: tuple[str, ...]) -> str:
+    """One label for a step's accepted drafts: "context" when the context proposed them all
+    (some also by the heads), "heads" when the heads did, "both" when both did throughout."""
+    kinds = set(sources)
+    if not kinds or kinds == {"both"}:
+        return "both" if kinds else ""
+    return "context" if kinds <= {"context", "both"} else "heads"
+
+
+def _span(text: str, step: int, accepted: int, source: str = "heads") -> str:
+    if not accepted:
+        label = f"step {step + 1}: the model's own token only"
+        return f'<span class="st own" data-step="{step + 1}" data-accepted="0" title="{label}">{text}</span>'
+    source = source or "heads"
+    label = f"step {step + 1}: {accepted} drafted token{'s' if accepted != 1 else ''} accepted, {SOURCE_LABEL[source]}"
+    return (
+        f'<span class="st c{step % PALETTE} src-{source}" data-step="{step + 1}" data-accepted="{accepted}" '
+        f'data-source="{source}" title="{label}">{text}</span>'
+    )
 
 
 LEGEND = (
     '<div class="medusa-legend">'
     '<span class="st own">plain text</span> = a step where only the model\'s own next token was kept; '
-    '<span class="st c1">colored</span> <span class="st c2">runs</span> = one step each that also '
-    "accepted drafted tokens (the color changes from step to step). Hover a run for its step.</div>"
+    '<span class="st c1 src-heads">colored</span> <span class="st c2 src-heads">runs</span> = one step each '
+    "that also accepted drafted tokens (the color changes from step to step): "
+    '<span class="st c3 src-heads">solid underline</span> = drafted by the Medusa heads, '
+    '<span class="st c4 src-context">dashed underline</span> = copied from the conversation, '
+    '<span class="st c5 src-both">double underline</span> = proposed by both. Hover a run for its step.</div>'
 )
+
+
+def source_shares(stats: dict) -> list[tuple[str, str]]:
+    """Rows giving the share of the reply's tokens by origin (when drafts were accepted)."""
+    counts = stats.get("sources") or {}
+    total = stats.get("tokens") or 0
+    if not total or not any(counts.values()):
+        return []
+    own = total - sum(counts.values())
+    rows = [("model's own tokens", own)] + [(f"drafted: {SOURCE_LABEL[k]}", counts.get(k, 0)) for k in SOURCE_LABEL]
+    return [(label, f"{n} ({100 * n / total:.0f}%)") for label, n in rows]
 
 
 def stats_html(stats: dict, accepted: list[int], depth_rates: list[float]) -> str:
@@ -119,6 +155,8 @@ def stats_html(stats: dict, accepted: list[int], depth_rates: list[float]) -> st
         ("tokens / s", f"{stats['tokens_per_second']:.1f}"),
         ("first token", f"{1000 * stats['first_token_seconds']:.0f} ms"),
         ("finished by", html.escape(stats["finish_reason"])),
+        *([("drafter", html.escape(stats["drafter"]))] if stats.get("drafter") else []),
+        *source_shares(stats),
     ]
     table = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in rows)
     counts = [accepted.count(k) for k in range(max(accepted, default=0) + 1)]
@@ -148,22 +186,26 @@ def depth_rates(accepted: list[int], max_depth: int) -> list[float]:
     return [sum(a >= d for a in decode) / len(decode) for d in range(1, max_depth + 1)]
 
 
-def tree_html(paths: tuple[tuple[int, ...], ...], tokens: list[str], accepted_path: tuple[int, ...]) -> str:
+def tree_html(
+    parents: tuple[int, ...], tokens: list[str], accepted_path: tuple[int, ...], sources: tuple[str, ...] = ()
+) -> str:
     """The candidate tree of one step as nested lists; the accepted path highlighted.
 
-    tokens[i] is the text of node i (node 0 the root); node i > 0 takes paths[i - 1]."""
-    index = {(): 0} | {p: i + 1 for i, p in enumerate(paths)}
-    children: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
-    for p in paths:
-        children.setdefault(p[:-1], []).append(p)
+    tokens[i] is the text of node i (node 0 the root, its own parent); sources[i] says where
+    node i came from ("heads", "context", "both")."""
+    children: dict[int, list[int]] = {}
+    for i in range(1, len(parents)):
+        children.setdefault(parents[i], []).append(i)
     on_path = set(accepted_path)
+    tag = {"heads": "", "context": "ctx", "both": "both"}
 
-    def node(p: tuple[int, ...]) -> str:
-        i = index[p]
+    def node(i: int) -> str:
         cls = "node accepted" if i in on_path else "node"
-        rank = f"<small>#{p[-1]}</small> " if p else "<small>root</small> "
-        label = f'<span class="{cls}">{rank}{html.escape(repr(tokens[i]))}</span>'
-        kids = "".join(node(c) for c in children.get(p, []))
+        kind = sources[i] if i < len(sources) else ("root" if i == 0 else "heads")
+        note = "root" if i == 0 else tag.get(kind, "")
+        small = f"<small>{note}</small> " if note else ""
+        label = f'<span class="{cls} src-{kind}">{small}{html.escape(repr(tokens[i]))}</span>'
+        kids = "".join(node(c) for c in children.get(i, []))
         return f"<li>{label}{f'<ul>{kids}</ul>' if kids else ''}</li>"
 
-    return f'<div class="medusa-tree"><ul>{node(())}</ul></div>'
+    return f'<div class="medusa-tree"><ul>{node(0)}</ul></div>'

@@ -17,7 +17,7 @@ import gradio as gr
 
 from app import store
 from app.engine import Engine
-from app.render import LEGEND, depth_rates, reply_html, stats_html, text_html, tree_html
+from app.render import LEGEND, depth_rates, reply_html, stats_html, step_source, text_html, tree_html
 from core.errors import UserError
 from core.generate import Finished, StepEvent
 from core.settings import DecodeSettings
@@ -36,6 +36,7 @@ DEFAULTS = {  # saved settings, in the order of the controls that show them
     "top_p": 1.0,
     "max_new_tokens": 256,
     "tree": "",
+    "drafter": "",
     "colors": True,
 }
 
@@ -45,7 +46,6 @@ class Session:
     chat: store.Chat
     stop: threading.Event = field(default_factory=threading.Event)
     events: list[StepEvent] = field(default_factory=list)  # the last reply's steps
-    paths: tuple = ()  # the last reply's tree, for the step inspector
     max_depth: int = 0
     prompt: list[dict] = field(default_factory=list)  # the last reply's conversation
     system: str = ""
@@ -150,6 +150,12 @@ def build(engine: Engine) -> gr.Blocks:
                         value=saved["tree"] or "(model default)",
                         label="Tree preset",
                     )
+                    drafter = gr.Dropdown(
+                        [("The tree's own", ""), ("Heads + context (hybrid)", "hybrid"), ("Medusa heads", "medusa"),
+                         ("Context lookup", "lookup")],
+                        value=saved["drafter"], label="Drafter", elem_id="drafter",
+                        info="Where drafts come from: the heads, copies from the conversation, or both in one tree",
+                    )  # fmt: skip
                     colors = gr.Checkbox(value=saved["colors"], label="Color the tokens of each step", elem_id="colors")
                     system = gr.Textbox(value=saved["system"], label="System prompt", lines=2)
                 with gr.Accordion("Model", open=False):
@@ -162,7 +168,7 @@ def build(engine: Engine) -> gr.Blocks:
                     step_pick = gr.Slider(1, 2, value=1, step=1, label="Step of the last reply")
                     inspector = gr.HTML()
 
-        controls = [system, decoding, acceptance, epsilon, delta, temperature, top_p, max_new, tree, colors]
+        controls = [system, decoding, acceptance, epsilon, delta, temperature, top_p, max_new, tree, drafter, colors]
 
         # -- helpers bound to this engine -------------------------------------------------
 
@@ -175,20 +181,22 @@ def build(engine: Engine) -> gr.Blocks:
         def tree_of(choice: str) -> str:
             return engine.require().default_tree if choice in ("", "(model default)") else choice
 
-        def run_turn(s: Session, sys_prompt, dec, acc, eps, dlt, temp, tp, mx, tr, col):
+        def run_turn(s: Session, sys_prompt, dec, acc, eps, dlt, temp, tp, mx, tr, drf, col):
             """Stream the reply to the chat's last turn; save it when it ends."""
             turn = s.chat.turns[-1]
             prompt = [m for t in s.chat.turns[:-1] for m in _pair(t)] + [{"role": "user", "content": turn.user}]
             settings = settings_of(acc, eps, dlt, temp, tp, mx)
             tree_name = tree_of(tr)
             medusa = dec == "Medusa"
-            paths, depth = ((), 0)
+            kind, depth = None, 0
             if medusa:
-                buffers = engine.drafter(tree_name)[0]
-                paths, depth = buffers.paths, buffers.max_depth
+                preset = engine.drafter(tree_name, drf or None)[0]
+                kind = drf or preset.drafter
+                depth = preset.tree.max_depth if kind != "lookup" else preset.lookup_length
             s.stop.clear()
-            s.events, s.paths, s.max_depth, s.prompt, s.system = [], paths, depth, prompt, sys_prompt
-            events = engine.generate(prompt, sys_prompt, settings, medusa, tree_name, s.stop.is_set)
+            s.events, s.max_depth, s.prompt, s.system = [], depth, prompt, sys_prompt
+            events = engine.generate(prompt, sys_prompt, settings, kind, tree_name, s.stop.is_set)
+            sources = {"heads": 0, "context": 0, "both": 0}
             for e in events:
                 if isinstance(e, Finished):
                     turn.assistant, turn.finished = e.text, e.finish_reason != "cancelled"
@@ -197,6 +205,7 @@ def build(engine: Engine) -> gr.Blocks:
                         "tokens_per_step": e.tokens_per_step, "tokens_per_second": e.tokens_per_second,
                         "first_token_seconds": e.first_token_seconds, "finish_reason": e.finish_reason,
                         "mode": dec, "acceptance": acc, "tree": tree_name if medusa else None,
+                        "drafter": kind, "sources": sources,
                     }  # fmt: skip
                     s.medusa_stats = turn.stats
                     if s.chat.title == "New chat":
@@ -206,7 +215,9 @@ def build(engine: Engine) -> gr.Blocks:
                     yield _messages(s.chat, col), _stats(turn.stats, s.events, depth), True
                     return
                 s.events.append(e)
-                turn.steps.append((e.text, e.accepted))
+                for k in e.sources:
+                    sources[k] += 1
+                turn.steps.append((e.text, e.accepted, step_source(e.sources)))
                 yield (
                     _messages(s.chat, col)[:-1]
                     + [{"role": "assistant", "content": reply_html(turn.steps, col, streaming=True)}],
@@ -360,7 +371,7 @@ def build(engine: Engine) -> gr.Blocks:
                 return gr.skip()
             settings = settings_of(*ctl[2:8])
             try:
-                *_, done = engine.generate(s.prompt, s.system, settings, False, "cpu-16", lambda: False)
+                *_, done = engine.generate(s.prompt, s.system, settings, None, "cpu-16", lambda: False)
             except UserError as e:
                 gr.Warning(str(e))
                 return gr.skip()
@@ -382,7 +393,7 @@ def build(engine: Engine) -> gr.Blocks:
                 return f"<p>Step {e.step} is the prefill: the model's first token, no tree.</p>"
             tokens = [engine.token_text(t) for t in e.draft]
             head = f"<p>Step {e.step}: {e.tree_size} candidates verified, {e.accepted} drafted accepted.</p>"
-            return head + tree_html(s.paths, tokens, e.path)
+            return head + tree_html(e.parents, tokens, e.path, e.node_sources)
 
         step_pick.change(inspect, [step_pick, session], inspector)
 
@@ -440,7 +451,7 @@ def _pair(turn: store.Turn) -> list[dict]:
 def _save_partial(s: Session) -> None:
     if s.chat.turns and s.chat.turns[-1].steps:
         turn = s.chat.turns[-1]
-        turn.assistant = "".join(t for t, _ in turn.steps)
+        turn.assistant = "".join(step[0] for step in turn.steps)
         store.save_chat(s.chat)
 
 

@@ -1,7 +1,8 @@
 """Benchmark: the same prompts through several decoding modes on one loaded model.
 
 Modes run interleaved prompt by prompt, so slow drift of the machine (heat, other load) hits
-them alike. `medusa` and `baseline` are our tree loop and our plain loop; `hf` is transformers
+them alike. `medusa`, `lookup` and `hybrid` are our tree loop with that drafter, `baseline`
+our plain loop; `hf` is transformers
 `generate` with the same sampling settings and `hf-pld` its prompt-lookup decoding. A "step"
 is one forward of the backbone (counted with a hook for the transformers modes), the prefill
 included, so tokens per step is the paper's acceleration rate and plain decoding gives 1.0.
@@ -21,7 +22,8 @@ from core.generate import collect, stream
 from core.settings import DecodeSettings
 from core.step import Drafter
 
-MODES = ("medusa", "baseline", "hf", "hf-pld")
+TREE_MODES = ("medusa", "lookup", "hybrid")  # our tree loop, named by its drafter
+MODES = (*TREE_MODES, "baseline", "hf", "hf-pld")
 PLD_TOKENS = 10  # prompt-lookup draft length, the value transformers documents
 
 
@@ -57,19 +59,19 @@ def run_once(
     model: PreTrainedModel,
     prompt_ids: list[int],
     settings: DecodeSettings,
-    drafter: Drafter,
+    drafters: dict[str, Drafter],
     eos_ids: tuple[int, ...],
     seed: int,
 ) -> tuple[int, int, float]:
     """(tokens, steps, seconds) of one reply in one mode."""
-    if mode in ("medusa", "baseline"):
+    if mode in (*TREE_MODES, "baseline"):
         generator = torch.Generator(model.device).manual_seed(seed)
         _, done = collect(
             stream(
                 model,
                 prompt_ids,
                 settings,
-                drafter if mode == "medusa" else None,
+                drafters.get(mode),
                 None,
                 eos_ids,
                 generator,
@@ -118,7 +120,7 @@ def run_bench(
     modes: tuple[str, ...],
     model: PreTrainedModel,
     settings: DecodeSettings,
-    drafter: Drafter,
+    drafters: dict[str, Drafter],
     eos_ids: tuple[int, ...],
     seed: int = 0,
     progress: Callable[[Run], None] = lambda run: None,
@@ -126,11 +128,11 @@ def run_bench(
     """Warm every mode up, then run each prompt through every mode in turn."""
     warm = DecodeSettings(**{**asdict(settings), "max_new_tokens": 8})
     for mode in modes:
-        run_once(mode, model, prompts[0], warm, drafter, eos_ids, seed)
+        run_once(mode, model, prompts[0], warm, drafters, eos_ids, seed)
     runs = []
     for i, ids in enumerate(prompts):
         for mode in modes:
-            run = Run(mode, i, *run_once(mode, model, ids, settings, drafter, eos_ids, seed + i))
+            run = Run(mode, i, *run_once(mode, model, ids, settings, drafters, eos_ids, seed + i))
             progress(run)
             runs.append(run)
     return runs
@@ -154,17 +156,17 @@ def speedups(summary: dict[str, Summary], of: str = "medusa") -> dict[str, float
     return {m: mine / s.tokens_per_second for m, s in summary.items() if m != of}
 
 
-WIDTHS = (10, 8, 8, 10, 9, 9, 8, 10)
-
-
 def table(summary: dict[str, Summary]) -> str:
-    speed = speedups(summary)
-    header = ("mode", "tokens", "steps", "tok/step", "step ms", "seconds", "tok/s", "medusa ×")
-    lines = ["".join(f"{h:<10}" if i == 0 else f"{h:>{WIDTHS[i]}}" for i, h in enumerate(header))]
+    """One row per mode; the last columns give its speed relative to `hf` and `baseline`."""
+    refs = [m for m in ("hf", "baseline") if m in summary]
+    header = ["mode", "tokens", "steps", "tok/step", "step ms", "seconds", "tok/s"] + [f"× {m}" for m in refs]
+    widths = [10, 8, 8, 10, 9, 9, 8] + [11] * len(refs)
+    cells = zip(header, widths, strict=True)
+    lines = ["".join(f"{h:<{w}}" if i == 0 else f"{h:>{w}}" for i, (h, w) in enumerate(cells))]
     for mode, s in summary.items():
-        ratio = f"{speed[mode]:.2f}×" if mode in speed else "—"
+        ratios = "".join(f"{s.tokens_per_second / summary[m].tokens_per_second:>10.2f}×" for m in refs)
         lines.append(
             f"{mode:<10}{s.tokens:>8}{s.steps:>8}{s.tokens_per_step:>10.2f}{s.step_ms:>9.1f}"
-            f"{s.seconds:>9.1f}{s.tokens_per_second:>8.1f}{ratio:>10}"
+            f"{s.seconds:>9.1f}{s.tokens_per_second:>8.1f}{ratios}"
         )
     return "\n".join(lines)

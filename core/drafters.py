@@ -1,4 +1,8 @@
-"""Drafters: Medusa heads filling a fixed tree. (Plain decoding is `step.NoDrafter`.)"""
+"""Drafters: Medusa heads filling a fixed tree, context lookup, and both in one tree per step.
+
+(Plain decoding is `step.NoDrafter`.) Every drafter returns distinct children under each node,
+fixed before verification, which keeps lossless sampling exact whatever the source.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +12,19 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from core.errors import UserError
+from core.lookup import NgramIndex
 from core.step import Draft
-from core.tree import TreeBuffers, check_fits
+from core.tree import CONTEXT, TreeBuffers, build_tree, check_fits, graft
+
+DRAFTERS = ("medusa", "lookup", "hybrid")
 
 
 class Heads(Protocol):
     num_heads: int
 
-    def __call__(self, hidden: Tensor, count: int | None = None) -> Tensor:
-        """(…, H) → (…, count, V) logits of the first `count` heads (all by default)."""
+    def candidates(self, hidden: Tensor, count: int, k: int) -> Tensor:
+        """(count, k) token ids: the first `count` heads' top-k at `hidden`."""
         ...
 
 
@@ -33,6 +41,40 @@ class MedusaDrafter:
         if self.tree.size == 1:
             return Draft(root.view(1), self.tree)
         with torch.inference_mode():
-            logits = self.heads(hidden, self.tree.max_depth)  # (D, V)
-        candidates = logits.topk(self.tree.top_k, dim=-1).indices.flatten()  # (D * top_k,)
+            candidates = self.heads.candidates(hidden, self.tree.max_depth, self.tree.top_k).flatten()  # (D·top_k,)
         return Draft(torch.cat([root.view(1), candidates[self.gather]]), self.tree)
+
+
+class LookupDrafter:
+    """Continuations of the history's longest earlier-seen suffix, grafted under the root of
+    `base` (the heads' draft in hybrid mode, else the root alone)."""
+
+    def __init__(self, base: MedusaDrafter | None = None, branches: int = 2, length: int = 4, max_ngram: int = 4):
+        self.base = base
+        self.branches, self.length = branches, length
+        self.index = NgramIndex(max_ngram)
+        self.root_only = build_tree([])
+
+    def propose(self, hidden: Tensor, root: Tensor, history: Sequence[int] = ()) -> Draft:
+        draft = self.base.propose(hidden, root, history) if self.base else Draft(root.view(1), self.root_only)
+        self.index.sync(history)
+        found = self.index.continuations(self.branches, self.length) if len(history) > 1 else []
+        if not found:
+            return draft
+        tokens, tree, sources = graft(draft.tree, draft.tokens.tolist(), found, CONTEXT)
+        device = draft.tokens.device
+        return Draft(
+            torch.tensor(tokens, device=device), tree if device.type == "cpu" else tree.to(device), tuple(sources)
+        )
+
+
+def make_drafter(
+    kind: str, heads: Heads | None, tree: TreeBuffers, tree_name: str = "the tree", branches: int = 2, length: int = 4
+) -> MedusaDrafter | LookupDrafter:
+    """The drafter called `kind` ("medusa", "lookup" or "hybrid")."""
+    if kind not in DRAFTERS:
+        raise UserError(f"Unknown drafter '{kind}'; choose one of {', '.join(DRAFTERS)}.")
+    if kind == "lookup":
+        return LookupDrafter(None, branches, length)
+    medusa = MedusaDrafter(heads, tree, tree_name=tree_name)
+    return medusa if kind == "medusa" else LookupDrafter(medusa, branches, length)

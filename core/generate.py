@@ -19,8 +19,9 @@ from transformers import PreTrainedModel
 from core import cache as kv
 from core.errors import UserError
 from core.settings import DecodeSettings
-from core.step import Drafter, NoDrafter, accept, commit, first_token, prefill, verify
+from core.step import Draft, Drafter, NoDrafter, accept, commit, first_token, prefill, verify
 from core.text import Decoder, Detokenizer
+from core.tree import SOURCES
 
 FINISH_REASONS = ("eos", "stop", "length", "cancelled")
 
@@ -36,6 +37,9 @@ class StepEvent:
     tree_size: int  # nodes in this step's verify forward (0 for the prefill)
     seconds: float  # wall time of the step
     tokens_per_second: float  # running rate of the reply since the prompt was sent
+    sources: tuple[str, ...] = ()  # per accepted drafted token: "heads", "context" or "both"
+    parents: tuple[int, ...] = ()  # the tree's shape: parent of each node (the root its own)
+    node_sources: tuple[str, ...] = ()  # per tree node: "root", "heads", "context" or "both"
 
 
 @dataclass(frozen=True)
@@ -84,11 +88,16 @@ def stream(
     start = time.perf_counter()
     cache = kv.new_cache()
 
-    def event(step: int, new: list[int], accepted: int, path: Tensor, draft: Tensor, t0: float) -> StepEvent:
+    def event(step: int, new: list[int], accepted: int, path: Tensor, draft: Draft | None, t0: float) -> StepEvent:
         now = time.perf_counter()
+        nodes = path.tolist()
+        if draft is None:  # the prefill
+            return StepEvent(step, tuple(new), detok.push(new), 0, (0,), (), 0, now - t0, len(out) / (now - start))
+        kinds = tuple(SOURCES[draft.source(i)] for i in range(draft.tree.size))
         return StepEvent(
-            step, tuple(new), detok.push(new), accepted, tuple(path.tolist()), tuple(draft.tolist()),
-            draft.numel(), now - t0, len(out) / (now - start),
+            step, tuple(new), detok.push(new), accepted, tuple(nodes), tuple(draft.tokens.tolist()),
+            draft.tree.size, now - t0, len(out) / (now - start),
+            sources=tuple(kinds[i] for i in nodes[1:]), parents=tuple(draft.tree.parent.tolist()), node_sources=kinds,
         )  # fmt: skip
 
     with torch.inference_mode():
@@ -100,7 +109,7 @@ def stream(
         out += new
         history = [*prompt_ids, *new]
         first_token_seconds = time.perf_counter() - start
-        yield (e := event(1, new, 0, torch.zeros(1, dtype=torch.long), torch.zeros(0), start))
+        yield (e := event(1, new, 0, torch.zeros(1, dtype=torch.long), None, start))
         reason = reason or _stopped(detok.text, e.text, settings.stop)
 
         # 2) decode: propose → verify → accept → commit, until EOS, a stop string or the limit
@@ -121,7 +130,7 @@ def stream(
             new, reason = _trim(tokens, out, eos, limit)
             out += new
             history += new
-            yield (e := event(step, new, result.accepted, result.path, draft.tokens, t0))
+            yield (e := event(step, new, result.accepted, result.path, draft, t0))
             reason = reason or _stopped(detok.text, e.text, settings.stop)
 
     # 3) finish

@@ -19,13 +19,17 @@ from core import cache as kv
 from core.acceptance import Acceptance, accept_greedy, accept_sampling, accept_typical
 from core.sampling import probabilities
 from core.settings import DecodeSettings
-from core.tree import TreeBuffers, build_tree
+from core.tree import HEADS, ROOT, TreeBuffers, build_tree
 
 
 @dataclass(frozen=True)
 class Draft:
     tokens: Tensor  # (T,) token of each tree node; tokens[0] is the root
     tree: TreeBuffers
+    sources: tuple[int, ...] = ()  # per node: tree.ROOT, HEADS, CONTEXT or BOTH (empty: the root, then heads)
+
+    def source(self, node: int) -> int:
+        return self.sources[node] if self.sources else (ROOT if node == 0 else HEADS)
 
 
 class Drafter(Protocol):

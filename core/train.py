@@ -15,11 +15,13 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
@@ -103,6 +105,31 @@ def read_records(file: Path) -> list[dict]:
 class Features:
     hidden: Tensor  # (N, H) last hidden state at each training position
     targets: Tensor  # (N, K) token each head must predict there (-100: past the end)
+    source: Tensor | None = None  # (N,) transcript of each position, so splits keep transcripts whole
+
+    def save(self, file: Path, records: int) -> None:
+        """Cache on disk (bf16 hidden states: half the size, ample for training)."""
+        tensors = {"hidden": self.hidden.to(torch.bfloat16).contiguous(), "targets": self.targets.contiguous()}
+        if self.source is not None:
+            tensors["source"] = self.source.contiguous()
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(".tmp")
+        save_file(tensors, tmp, metadata={"records": str(records)})
+        tmp.replace(file)
+
+    @staticmethod
+    def load(file: Path, records: int, num_heads: int) -> Features | None:
+        """The cached features if they were made from `records` transcripts for `num_heads` heads."""
+        try:
+            with safe_open(file, "pt") as f:
+                if f.metadata().get("records") != str(records):
+                    return None
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+        except (OSError, ValueError, KeyError):
+            return None
+        if tensors["targets"].shape[1] != num_heads:
+            return None
+        return Features(tensors["hidden"].float(), tensors["targets"], tensors.get("source"))
 
 
 def head_targets(ids: list[int], positions: range, num_heads: int) -> Tensor:
@@ -113,11 +140,13 @@ def head_targets(ids: list[int], positions: range, num_heads: int) -> Tensor:
     return torch.tensor(rows, dtype=torch.long).reshape(len(positions), num_heads)
 
 
-def features(model: PreTrainedModel, records: list[dict], num_heads: int) -> Features:
+def features(
+    model: PreTrainedModel, records: list[dict], num_heads: int, progress: Callable[[list], Iterable] = iter
+) -> Features:
     """Hidden states of every answer position (from the prompt's last token on), one pass each."""
-    hidden, targets = [], []
+    hidden, targets, source = [], [], []
     with torch.inference_mode():
-        for r in records:
+        for n, r in enumerate(progress(records)):
             ids = r["prompt_ids"] + r["answer_ids"]
             positions = range(len(r["prompt_ids"]) - 1, len(ids) - 2)  # something left for head 0
             if len(positions) == 0:
@@ -125,12 +154,15 @@ def features(model: PreTrainedModel, records: list[dict], num_heads: int) -> Fea
             out = model.base_model(input_ids=torch.tensor([ids], device=model.device))
             hidden.append(out.last_hidden_state[0, positions.start : positions.stop].float().cpu())
             targets.append(head_targets(ids, positions, num_heads))
+            source.append(torch.full((len(positions),), n, dtype=torch.long))
     if not hidden:
         raise UserError(
             f"None of the {len(records)} transcripts is long enough to train on; "
             "use more prompts or a larger --max-new-tokens."
         )
-    return Features(torch.cat(hidden).clone(), torch.cat(targets))  # clone: a normal tensor, usable by autograd
+    return Features(
+        torch.cat(hidden).clone(), torch.cat(targets), torch.cat(source)
+    )  # clone: a normal tensor, usable by autograd
 
 
 # -- 3) training ------------------------------------------------------------------------------
@@ -143,11 +175,19 @@ class HeadAccuracy:
     loss: float  # weighted held-out loss
 
 
-def split(n: int, held_out: float, seed: int = 0) -> tuple[Tensor, Tensor]:
-    order = list(range(n))
-    random.Random(seed).shuffle(order)
-    cut = max(1, int(n * held_out))
-    return torch.tensor(order[cut:]), torch.tensor(order[:cut])
+def split(n: int, held_out: float, seed: int = 0, source: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(train, held-out) position indices. With `source`, whole transcripts are held out, so
+    neighbouring positions of one answer never sit on both sides."""
+    if source is None:
+        order = list(range(n))
+        random.Random(seed).shuffle(order)
+        cut = max(1, int(n * held_out))
+        return torch.tensor(order[cut:]), torch.tensor(order[:cut])
+    groups = sorted(set(source.tolist()))
+    random.Random(seed).shuffle(groups)
+    held = torch.tensor(groups[: max(1, int(len(groups) * held_out))])
+    is_held = torch.isin(source.cpu(), held)
+    return (~is_held).nonzero().squeeze(1), is_held.nonzero().squeeze(1)
 
 
 def medusa_loss(logits: Tensor, targets: Tensor, decay: float) -> Tensor:
@@ -168,7 +208,8 @@ def evaluate(heads: nn.Module, data: Features, index: Tensor, decay: float, batc
     with torch.inference_mode():
         for b in range(0, len(index), batch):
             i = index[b : b + batch]
-            logits, target = heads(data.hidden[i]), data.targets[i]
+            with _fast_matmuls(data.hidden.device):
+                logits, target = heads(data.hidden[i]).float(), data.targets[i]
             loss += medusa_loss(logits, target, decay).item()
             batches += 1
             top5 = logits.topk(5, dim=-1).indices  # (B, K, 5)
@@ -178,6 +219,16 @@ def evaluate(heads: nn.Module, data: Features, index: Tensor, decay: float, batc
             count += valid.sum(0)
     count = count.clamp(min=1)
     return HeadAccuracy(tuple((hit1 / count).tolist()), tuple((hit5 / count).tolist()), loss / max(batches, 1))
+
+
+def _fast_matmuls(device: torch.device):
+    """bf16 matmuls with fp32 master weights: the (V, H) projection dominates training and
+    runs about 3× faster in bf16 on CPUs with AVX512-BF16 (and on any modern GPU)."""
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def batches_per_epoch(n_train: int, batch_size: int) -> int:
+    return math.ceil(n_train / batch_size)
 
 
 def train(
@@ -193,7 +244,7 @@ def train(
 ) -> Iterator[tuple[int, float, HeadAccuracy | None]]:
     """Train in place; yields (step, loss) every batch and the held-out accuracy after each epoch."""
     torch.manual_seed(seed)
-    train_idx, val_idx = split(len(data.hidden), held_out, seed)
+    train_idx, val_idx = split(len(data.hidden), held_out, seed, data.source)
     params = [p for p in heads.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     steps = epochs * math.ceil(len(train_idx) / batch_size)
@@ -204,7 +255,8 @@ def train(
         order = train_idx[torch.randperm(len(train_idx))]
         for b in range(0, len(order), batch_size):
             i = order[b : b + batch_size]
-            loss = medusa_loss(heads(data.hidden[i]), data.targets[i], decay)
+            with _fast_matmuls(data.hidden.device):
+                loss = medusa_loss(heads(data.hidden[i]), data.targets[i], decay)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()

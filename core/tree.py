@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -22,28 +23,23 @@ from core.errors import UserError
 Path_ = tuple[int, ...]
 
 
+SOURCES = ("root", "heads", "context", "both")  # where a node's token came from
+ROOT, HEADS, CONTEXT, BOTH = range(4)
+
+
 @dataclass(frozen=True)
 class TreeBuffers:
     """Everything a decode step needs to know about a tree's shape."""
 
-    paths: tuple[Path_, ...]  # sorted paths; node i + 1 takes paths[i]
+    paths: tuple[Path_, ...]  # preset trees: sorted rank paths, node i + 1 takes paths[i]; () per-step trees
     depth: Tensor  # (T,) long; 0 for the root
     parent: Tensor  # (T,) long; the root is its own parent
-    rank: Tensor  # (T,) long; top-k rank of the node's token at its depth, -1 for the root
+    rank: Tensor  # (T,) long; top-k rank of the node's token at its depth, -1 for the root and lookups
     visible: Tensor  # (T, T) bool; visible[i, j] = node j is node i or one of its ancestors
     children: Tensor  # (T, C) long; child node indices, padded with -1
-    leaf_paths: Tensor  # (L, D + 1) long; node indices from the root to each leaf, padded with -1
     top_k: int  # candidates per head the tree uses (largest rank + 1; 0 for a root-only tree)
-
-    @property
-    def size(self) -> int:
-        """Number of nodes, root included: the token count of one verify forward."""
-        return len(self.paths) + 1
-
-    @property
-    def max_depth(self) -> int:
-        """How many tokens ahead of the root the tree reaches (= heads it needs)."""
-        return max((len(p) for p in self.paths), default=0)
+    size: int  # number of nodes, root included: the token count of one verify forward
+    max_depth: int  # how many tokens ahead of the root the tree reaches (= heads it needs)
 
     def candidate_index(self) -> Tensor:
         """(T - 1,) index of each non-root node's token in a flattened (heads, top_k) table."""
@@ -65,8 +61,40 @@ class TreeBuffers:
         return self.visible[node].nonzero().squeeze(1)
 
     def to(self, device: torch.device | str) -> TreeBuffers:
-        tensors = ("depth", "parent", "rank", "visible", "children", "leaf_paths")
+        tensors = ("depth", "parent", "rank", "visible", "children")
         return replace(self, **{name: getattr(self, name).to(device) for name in tensors})
+
+
+def from_parents(parent: list[int], rank: list[int], paths: tuple[Path_, ...] = ()) -> TreeBuffers:
+    """Buffers of the tree whose node i > 0 hangs under parent[i] < i (node 0 is the root).
+
+    Cheap enough to run every decoding step (well under a millisecond for 64 nodes)."""
+    t = len(parent)
+    depth = [0] * t
+    visible = np.zeros((t, t), dtype=bool)
+    kids: list[list[int]] = [[] for _ in range(t)]
+    visible[0, 0] = True
+    for i in range(1, t):
+        p = parent[i]
+        if not 0 <= p < i:
+            raise ValueError(f"node {i} has parent {p}; parents must come first")
+        depth[i] = depth[p] + 1
+        visible[i] = visible[p]
+        visible[i, i] = True
+        kids[p].append(i)
+    width = max(map(len, kids))
+    children = [k + [-1] * (width - len(k)) for k in kids]
+    return TreeBuffers(
+        paths=paths,
+        depth=torch.tensor(depth),
+        parent=torch.tensor([0, *parent[1:]]),
+        rank=torch.tensor(rank),
+        visible=torch.from_numpy(visible),
+        children=torch.tensor(children, dtype=torch.long).reshape(t, width),
+        top_k=max(rank, default=-1) + 1,
+        size=t,
+        max_depth=max(depth),
+    )
 
 
 def build_tree(paths: list[list[int]] | tuple[Path_, ...]) -> TreeBuffers:
@@ -74,32 +102,41 @@ def build_tree(paths: list[list[int]] | tuple[Path_, ...]) -> TreeBuffers:
     clean = _validate(paths)
     ordered = sorted(clean, key=lambda p: (len(p), p))
     index = {(): 0} | {p: i + 1 for i, p in enumerate(ordered)}
-    t = len(ordered) + 1
-
-    depth = torch.tensor([0] + [len(p) for p in ordered])
-    parent = torch.tensor([0] + [index[p[:-1]] for p in ordered])
-    rank = torch.tensor([-1] + [p[-1] for p in ordered])
-
-    visible = torch.eye(t, dtype=torch.bool)
-    for p, i in index.items():
-        for d in range(len(p)):
-            visible[i, index[p[:d]]] = True
-
-    kids: list[list[int]] = [[] for _ in range(t)]
-    for p in ordered:
-        kids[index[p[:-1]]].append(index[p])
-    children = _pad([k for k in kids], width=max(map(len, kids)))
-
-    is_parent = {p[:-1] for p in ordered}
-    leaves = [p for p in [(), *ordered] if p not in is_parent]
-    leaf_paths = _pad([[index[p[:d]] for d in range(len(p) + 1)] for p in leaves], len(max(leaves, key=len)) + 1)
-
-    top_k = max((max(p) for p in ordered), default=-1) + 1
-    return TreeBuffers(tuple(ordered), depth, parent, rank, visible, children, leaf_paths, top_k)
+    parent = [0] + [index[p[:-1]] for p in ordered]
+    rank = [-1] + [p[-1] for p in ordered]
+    return from_parents(parent, rank, tuple(ordered))
 
 
-def _pad(rows: list[list[int]], width: int) -> Tensor:
-    return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long).reshape(len(rows), width)
+def graft(
+    tree: TreeBuffers, tokens: list[int], branches: list[list[int]], source: int = CONTEXT
+) -> tuple[list[int], TreeBuffers, list[int]]:
+    """`tree` (holding `tokens`) with token `branches` added under the root, deduplicated.
+
+    A branch follows existing nodes while their tokens match and adds new nodes after that,
+    so siblings stay distinct. Returns the merged tokens, buffers and each node's source
+    (ROOT, HEADS, CONTEXT or BOTH; the base tree's nodes count as HEADS)."""
+    parent = tree.parent.tolist()
+    rank = tree.rank.tolist()
+    tokens = list(tokens)
+    sources = [ROOT] + [HEADS] * (len(tokens) - 1)
+    child: dict[tuple[int, int], int] = {(parent[i], tokens[i]): i for i in range(1, len(tokens))}
+    added = False
+    for branch in branches:
+        node = 0
+        for token in branch:
+            nxt = child.get((node, token))
+            if nxt is None:
+                nxt = len(tokens)
+                child[(node, token)] = nxt
+                parent.append(node)
+                rank.append(-1)
+                tokens.append(token)
+                sources.append(source)
+                added = True
+            elif sources[nxt] == HEADS:
+                sources[nxt] = BOTH
+            node = nxt
+    return tokens, (from_parents(parent, rank) if added else tree), sources
 
 
 def _validate(paths: list[list[int]] | tuple[Path_, ...]) -> list[Path_]:
@@ -145,8 +182,20 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in _preset_dir().glob("*.json"))
 
 
-def load_tree(name_or_file: str) -> tuple[str, TreeBuffers]:
-    """A preset by name, or a JSON file holding a list of paths (or {"paths": [...]})."""
+@dataclass(frozen=True)
+class Preset:
+    """A tree file: its paths and, for calibrated trees, the drafter and lookup settings it was
+    chosen with (`medusa-chat calibrate` writes all of them)."""
+
+    name: str
+    tree: TreeBuffers
+    drafter: str = "medusa"
+    lookup_branches: int = 2  # continuations copied from the context per step
+    lookup_length: int = 4  # tokens per continuation
+
+
+def load_preset(name_or_file: str) -> Preset:
+    """A preset by name, or a JSON file holding a list of paths (or {"paths": [...], …})."""
     file = _preset_dir() / f"{name_or_file}.json"
     if not file.is_file():
         file = Path(name_or_file).expanduser()
@@ -159,5 +208,21 @@ def load_tree(name_or_file: str) -> tuple[str, TreeBuffers]:
         data = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"Tree file {file} is not readable JSON ({e}); fix or replace it.") from e
-    paths = data.get("paths") if isinstance(data, dict) else data
-    return file.stem, build_tree(paths)
+    if not isinstance(data, dict):
+        return Preset(file.stem, build_tree(data))
+    lookup = data.get("lookup") or {}
+    drafter, branches, length = data.get("drafter", "medusa"), lookup.get("branches", 2), lookup.get("length", 4)
+    valid = drafter in ("medusa", "lookup", "hybrid") and all(
+        isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 16 for v in (branches, length)
+    )
+    if not valid:
+        raise UserError(
+            f"Tree file {file} has a bad drafter or lookup setting; use drafter medusa, lookup or hybrid "
+            "and lookup branches and length from 1 to 16."
+        )
+    return Preset(file.stem, build_tree(data.get("paths")), drafter, branches, length)
+
+
+def load_tree(name_or_file: str) -> tuple[str, TreeBuffers]:
+    preset = load_preset(name_or_file)
+    return preset.name, preset.tree

@@ -7,6 +7,11 @@ own vocabulary projection, or by the backbone's lm_head (shared, far smaller on 
 Files: `medusa_lm_head.safetensors` with the FasterDecoding key layout `{head}.{layer}.linear.
 {weight,bias}` and, for own projections, `{head}.{layers}.weight`; plus `config.json`. The
 number of heads and layers is read from the tensors, never trusted from the config.
+
+Shared-projection heads may carry `token_ids`: a vocabulary subset (the tokens the backbone
+produced in the training transcripts). They are then trained and read out over those rows of
+the lm_head only: 3–4× less work per proposal and per training step, and tokens the model
+never writes are never proposed.
 """
 
 from __future__ import annotations
@@ -45,8 +50,11 @@ class MedusaHeads(nn.Module):
         num_heads: int = 4,
         num_layers: int = 1,
         shared_lm_head: nn.Module | None = None,
+        token_ids: Tensor | None = None,
     ) -> None:
         super().__init__()
+        if token_ids is not None and shared_lm_head is None:
+            raise ValueError("a vocabulary subset needs the shared lm_head")
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.num_heads, self.num_layers = num_heads, num_layers
         own = shared_lm_head is None
@@ -58,6 +66,17 @@ class MedusaHeads(nn.Module):
         self.heads = nn.ModuleList(head() for _ in range(num_heads))
         # Held outside the module tree so it is neither saved nor trained with the heads.
         self._shared = (shared_lm_head,) if shared_lm_head is not None else None
+        self.register_buffer("token_ids", token_ids.long() if token_ids is not None else None)
+        self._subset: Tensor | None = None  # (H, S) the lm_head rows of token_ids, transposed
+
+    def _subset_weight(self) -> Tensor:
+        weight = self._shared[0].weight  # (V, H)
+        sub = self._subset
+        if sub is None or sub.dtype != weight.dtype or sub.device != weight.device:
+            with torch.no_grad():
+                sub = weight[self.token_ids.to(weight.device)].t().contiguous()
+            self._subset = sub
+        return sub
 
     @property
     def shared(self) -> bool:
@@ -70,7 +89,23 @@ class MedusaHeads(nn.Module):
             return torch.stack([h(hidden) for h in heads], dim=-2)
         states = torch.stack([h(hidden) for h in heads], dim=-2)  # (…, count, H)
         lm_head = self._shared[0]
+        if self.token_ids is not None:
+            sub = self._subset_weight()
+            return states.to(sub.dtype) @ sub  # (…, count, S): logits over the subset
         return lm_head(states.to(lm_head.weight.dtype))  # one matmul for all heads
+
+    def candidates(self, hidden: Tensor, count: int, k: int) -> Tensor:
+        """(count, k) token ids: each of the first `count` heads' top-k at `hidden` (H,) or (N, H)."""
+        top = self(hidden, count).topk(k, dim=-1).indices
+        return self.token_ids[top] if self.token_ids is not None else top
+
+    def target_index(self, targets: Tensor) -> Tensor:
+        """Token ids → positions in this head's output (-100 for tokens outside the subset)."""
+        if self.token_ids is None:
+            return targets
+        table = torch.full((self.vocab_size,), -100, dtype=torch.long, device=targets.device)
+        table[self.token_ids.to(targets.device)] = torch.arange(len(self.token_ids), device=targets.device)
+        return torch.where(targets >= 0, table[targets.clamp(min=0)], targets)
 
     def save(self, folder: str | Path, base_model: str = "") -> None:
         folder = Path(folder)
@@ -83,6 +118,7 @@ class MedusaHeads(nn.Module):
             "hidden_size": self.hidden_size,
             "vocab_size": self.vocab_size,
             "shared_lm_head": self.shared,
+            "vocab_subset": None if self.token_ids is None else len(self.token_ids),
             "base_model_name_or_path": base_model,
         }
         (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -122,9 +158,18 @@ def load_heads(folder: str | Path, lm_head: nn.Module, model_name: str = "this m
     wanted = {
         k: v for k, v in tensors.items() if _BLOCK.match(k) or k.endswith(".linear.bias") or (own and _PROJ.match(k))
     }
-    heads = MedusaHeads(model_hidden, model_vocab, num_heads, num_layers, None if own else lm_head)
-    heads.load_state_dict({f"heads.{k}": v for k, v in wanted.items()}, strict=True)
-    return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype).eval()
+    token_ids = tensors.get("token_ids") if not own else None
+    if token_ids is not None and (
+        token_ids.dim() != 1 or int(token_ids.max()) >= model_vocab or int(token_ids.min()) < 0
+    ):
+        raise UserError(f"{where} has a vocabulary subset that does not fit {model_name}; use heads trained for it.")
+    heads = MedusaHeads(model_hidden, model_vocab, num_heads, num_layers, None if own else lm_head, token_ids)
+    state = {f"heads.{k}": v for k, v in wanted.items()} | ({"token_ids": token_ids} if token_ids is not None else {})
+    heads.load_state_dict(state, strict=True)
+    heads = heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype).eval()
+    if heads.token_ids is not None:
+        heads.token_ids = heads.token_ids.long()  # .to(dtype) leaves integer buffers alone; be explicit
+    return heads
 
 
 def _read_config(folder: Path) -> dict:

@@ -241,8 +241,8 @@ def load_backbone(
     except (OSError, ValueError, ImportError) as e:
         raise UserError(f"Could not load the model in {spec.folder} ({e}).") from e
     _check_attention(model)
-    if model.device.type == "cpu":
-        transpose_linears(model)
+    if model.device.type == "cpu" and model.dtype == torch.float32:
+        transpose_linears(model)  # bf16 is the other way round: transposed weights are far slower
     return Backbone(spec.name, model, tokenizer, _eos_ids(model, tokenizer), spec.chat_template)
 
 

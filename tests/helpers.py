@@ -63,3 +63,19 @@ class OracleDrafter:
             # siblings stay distinct: only one of them can be on track, the rest are offset by rank
             tokens.append(truth if on_track[node] else (truth + 1 + path[-1]) % self.vocab)
         return Draft(torch.tensor(tokens), self.tree)
+
+
+def brute_force_continuations(ids: Sequence[int], max_ngram: int, max_count: int, length: int) -> list[list[int]]:
+    """The same answer as `NgramIndex.continuations`, by scanning the whole history (the reference for tests)."""
+    found: list[list[int]] = []
+    last = len(ids) - 1
+    for n in range(min(max_ngram, len(ids) - 1), 0, -1):
+        suffix = list(ids[last - n + 1 :])
+        for end in range(last - 1, n - 2, -1):
+            if list(ids[end - n + 1 : end + 1]) == suffix:
+                cont = list(ids[end + 1 : end + 1 + length])
+                if cont and cont not in found:
+                    found.append(cont)
+                    if len(found) == max_count:
+                        return found
+    return found

@@ -70,7 +70,7 @@ def test_streamed_text_and_summary(random_heads_dir):
     assert "tokens/step" in result.stderr and "finished by" in result.stderr
 
 
-def test_bench_prints_all_four_modes(tmp_path, random_heads_dir):
+def test_bench_prints_every_mode(tmp_path, random_heads_dir):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p, "id": i}) for i, p in enumerate(PROMPTS[:2])))
     out = tmp_path / "bench.json"
@@ -82,22 +82,28 @@ def test_bench_prints_all_four_modes(tmp_path, random_heads_dir):
         "16",
         "--heads",
         random_heads_dir,
+        "--modes",
+        ",".join(MODES),
         "--json",
         str(out),
     )
     assert result.returncode == 0, result.stderr
     table = result.stdout
-    for mode in ("medusa", "baseline", "hf", "hf-pld"):
+    for mode in MODES:
         assert any(line.startswith(mode + " ") for line in table.splitlines()), table
     report = json.loads(out.read_text())
-    for mode in ("medusa", "baseline", "hf", "hf-pld"):
+    for mode in MODES:
         s = report["summary"][mode]
         assert s["tokens"] > 0 and s["steps"] > 0 and s["seconds"] > 0
         assert s["tokens_per_second"] == pytest.approx(s["tokens"] / s["seconds"])
         assert s["tokens_per_step"] == pytest.approx(s["tokens"] / s["steps"])
     assert report["summary"]["baseline"]["tokens_per_step"] == 1.0
-    assert set(report["speedup"]) == {"baseline", "hf", "hf-pld"}
-    assert len(report["runs"]) == 8
+    assert set(report["speedup"]) == {"lookup", "hybrid", "baseline", "hf", "hf-pld"}
+    assert set(report["speedups"]) == {"medusa", "lookup", "hybrid"}
+    assert len(report["runs"]) == 2 * len(MODES)
+
+
+MODES = ("medusa", "lookup", "hybrid", "baseline", "hf", "hf-pld")
 
 
 def test_bad_input_gives_one_sentence_and_a_nonzero_exit(tmp_path, random_heads_dir):

@@ -80,3 +80,21 @@ def test_missing_damaged_and_foreign_files_are_refused(tmp_path):
     save_file({"embed.weight": torch.zeros(2, 2)}, tmp_path / WEIGHTS)
     with pytest.raises(UserError, match="no Medusa head tensors"):
         load_heads(tmp_path, lm_head())
+
+
+def test_a_vocabulary_subset_round_trips_and_proposes_only_its_tokens(tmp_path):
+    head = lm_head()
+    subset = torch.tensor([3, 7, 8, 20, 41, 49])
+    heads = randomized(MedusaHeads(H, V, num_heads=2, shared_lm_head=head, token_ids=subset))
+    h = torch.randn(4, H)
+    full = heads.heads[0](h) @ head.weight.t()  # the same head read out over every token
+    torch.testing.assert_close(heads(h)[:, 0], full[:, subset])
+    heads.save(tmp_path)
+    loaded = load_heads(tmp_path, head)
+    assert torch.equal(loaded.token_ids, subset) and json.loads((tmp_path / CONFIG).read_text())["vocab_subset"] == 6
+    cands = loaded.candidates(h[0], 2, 3)
+    assert cands.shape == (2, 3) and set(cands.flatten().tolist()) <= set(subset.tolist())
+    best = subset[(heads.heads[1](h[0]) @ head.weight.t())[subset].argmax()]
+    assert cands[1, 0] == best
+    targets = torch.tensor([[7, -100], [49, 5]])
+    assert heads.target_index(targets).tolist() == [[1, -100], [5, -100]]  # 5 is outside the subset

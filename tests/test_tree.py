@@ -28,7 +28,6 @@ def test_buffers_match_hand_checked_values():
     ]
     assert tree.visible.int().tolist() == expected_visible
     assert tree.children.tolist() == [[1, 2], [3, 4], [5, -1], [-1, -1], [-1, -1], [-1, -1]]
-    assert tree.leaf_paths.tolist() == [[0, 1, 3], [0, 1, 4], [0, 2, 5]]
     assert tree.path_to(4).tolist() == [0, 1, 4]
 
 

@@ -71,9 +71,9 @@ class App:
         self.log.close()
 
 
-def send_args(message: str, max_new_tokens: int = 64) -> tuple:
-    # message, system, decoding, acceptance, ε, δ, temperature, top-p, max new tokens, tree, colors
-    return (message, "", "Medusa", "Lossless", 0.09, 0.3, 0.0, 1.0, max_new_tokens, "(model default)", True)
+def send_args(message: str, max_new_tokens: int = 64, drafter: str = "") -> tuple:
+    # message, system, decoding, acceptance, ε, δ, temperature, top-p, max new tokens, tree, drafter, colors
+    return (message, "", "Medusa", "Lossless", 0.09, 0.3, 0.0, 1.0, max_new_tokens, "(model default)", drafter, True)
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +92,17 @@ def test_send_streams_a_colored_answer_with_stats(app):
     assert chat[0]["role"] == "user" and chat[-1]["role"] == "assistant"
     answer = json.dumps(chat[-1]["content"])
     assert "data-step=" in answer and "data-accepted=" in answer
-    for label in ("tokens / step", "tokens / s", "first token", "Acceptance rate by tree depth"):
+    for label in ("tokens / step", "tokens / s", "first token", "Acceptance rate by tree depth", "drafter"):
         assert label in stats
+
+
+def test_hybrid_drafter_marks_what_was_copied_from_the_conversation(app):
+    client = app.client()
+    prompt = "Repeat this list exactly: alpha beta gamma delta epsilon zeta eta theta iota kappa."
+    chat, _msg, stats, *_ = client.predict(*send_args(prompt, 48, "hybrid"), api_name="/send")
+    answer = json.dumps(chat[-1]["content"])
+    assert 'data-source=\\"context\\"' in answer or 'data-source=\\"both\\"' in answer, answer
+    assert "copied from the conversation" in stats and "hybrid" in stats
 
 
 def test_compare_inspector_regenerate_rename_export(app):
@@ -103,7 +112,7 @@ def test_compare_inspector_regenerate_rename_export(app):
     comparison = client.predict(*controls, api_name="/compare")
     assert "Plain" in comparison and "speedup" in comparison
     tree = client.predict(2, api_name="/inspect")
-    assert "candidates verified" in tree and 'class="node accepted"' in tree
+    assert "candidates verified" in tree and 'class="node accepted' in tree
     chat, _msg, stats, *_ = client.predict(*controls, api_name="/regenerate")
     assert len([m for m in chat if m["role"] == "assistant"]) == 1 and "tokens / step" in stats
     choices = client.predict("Greetings", api_name="/rename")

@@ -1,0 +1,252 @@
+"""Calibration: the tree (and drafter) that maximises tokens per second on this machine.
+
+Medusa §3.3.3 builds a tree greedily from per-head top-k accuracies. Here that is only the
+first half; the second half is the hardware: a bigger tree accepts more tokens per step but
+costs more per verify forward, and on a CPU the forward grows fast with the token count.
+
+1) `Positions`: greedy replies to calibration prompts, and at every reply position the heads'
+   top-k candidates and whether each equals the true token (one backbone pass per reply).
+2) `rank_accuracies` → `greedy_tree` for every node budget.
+3) Exact replay: greedy decoding accepts the longest drafted path that equals the greedy
+   continuation, so replaying each reply step by step with a given tree (and the lookup
+   branches the context gives at that point) yields the true tokens per step, without
+   running the model again.
+4) Expected speed = tokens per step / measured step latency at the tree's size; the best wins.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from core.lookup import NgramIndex
+
+# -- 1) positions -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reply:
+    ids: list[int]  # prompt + greedy reply
+    start: int  # index of the reply's first token (the first step's root)
+    match: Tensor  # (n, K, R) bool: at reply position j (root = ids[start + j]), head k's rank r is right
+
+
+def reply_positions(ids: list[int], start: int, candidates: Tensor) -> Reply:
+    """`candidates` (n, K, R): the heads' top-R at the hidden state before each reply token.
+
+    Root j is ids[start + j]; head k proposes ids[start + j + k + 1] (the root is the backbone's own)."""
+    n, k_heads, _ = candidates.shape
+    truth = torch.full((n, k_heads), -1, dtype=torch.long)
+    for k in range(k_heads):
+        ahead = torch.tensor(ids[start + k + 1 : start + n + k + 1], dtype=torch.long)
+        truth[: len(ahead), k] = ahead
+    return Reply(ids, start, candidates == truth[..., None])
+
+
+# -- 2) greedy trees --------------------------------------------------------------------------
+
+
+def rank_accuracies(replies: Sequence[Reply]) -> Tensor:
+    """(K, R): how often head k's rank-r candidate is the right token."""
+    match = torch.cat([r.match for r in replies]).float()
+    return match.mean(dim=0)
+
+
+def greedy_tree(accuracy: Tensor, budget: int) -> list[list[int]]:
+    """The `budget` rank paths with the highest estimated acceptance Π_k accuracy[k, r_k],
+    grown from the root (each node's parent is added first, as §3.3.3 does)."""
+    k_heads, ranks = accuracy.shape
+    acc = accuracy.tolist()
+    frontier = [(-acc[0][r], (r,)) for r in range(ranks)]
+    heapq.heapify(frontier)
+    paths: list[list[int]] = []
+    while frontier and len(paths) < budget:
+        neg, path = heapq.heappop(frontier)
+        paths.append(list(path))
+        if len(path) < k_heads:
+            for r in range(ranks):
+                heapq.heappush(frontier, (neg * acc[len(path)][r], (*path, r)))
+    return paths
+
+
+def expected_accept(accuracy: Tensor, paths: list[list[int]]) -> float:
+    """Independence estimate of the drafted tokens accepted per step (§3.3.3)."""
+    acc = accuracy.tolist()
+    total = 0.0
+    for p in paths:
+        v = 1.0
+        for k, r in enumerate(p):
+            v *= acc[k][r]
+        total += v
+    return total
+
+
+# -- 3) exact replay --------------------------------------------------------------------------
+
+
+def medusa_accepts(reply: Reply, paths: list[list[int]]) -> list[int]:
+    """At each reply position: drafted tokens the tree would have accepted there."""
+    if not paths:
+        return [0] * reply.match.shape[0]
+    n = reply.match.shape[0]
+    ok = torch.ones(n, len(paths), dtype=torch.bool)
+    for i, p in enumerate(paths):
+        for k, r in enumerate(p):
+            ok[:, i] &= reply.match[:, k, r]
+    depth = torch.tensor([len(p) for p in paths])
+    return torch.where(ok, depth, 0).max(dim=1).values.tolist()
+
+
+def lookup_accepts(reply: Reply, branches: int, length: int, max_ngram: int = 4) -> tuple[list[int], list[int]]:
+    """At each reply position: tokens accepted from lookup branches, and the branches' node count."""
+    index = NgramIndex(max_ngram)
+    ids, start = reply.ids, reply.start
+    n = reply.match.shape[0]
+    accepts, nodes = [], []
+    for j in range(n):
+        index.sync(ids[: start + j + 1])
+        found = index.continuations(branches, length) if branches else []
+        truth = ids[start + j + 1 : start + j + 1 + length]
+        best = 0
+        for cont in found:
+            same = 0
+            while same < min(len(cont), len(truth)) and cont[same] == truth[same]:
+                same += 1
+            best = max(best, same)
+        accepts.append(best)
+        nodes.append(len({tuple(c[:d]) for c in found for d in range(1, len(c) + 1)}))
+    return accepts, nodes
+
+
+@dataclass(frozen=True)
+class Replay:
+    tokens_per_step: float
+    mean_nodes: float  # verify-forward tokens per step, root included
+
+
+def replay(
+    replies: Sequence[Reply], medusa: Sequence[list[int]], lookup: Sequence[tuple[list[int], list[int]]], tree_size: int
+) -> Replay:
+    """Walk each reply as greedy decoding does: the prefill makes root 0; a step at root j
+    accepts the drafts that match and makes the next root. Counts steps as `bench` does."""
+    tokens = steps = nodes = decode_steps = 0
+    for reply, med, (look, look_nodes) in zip(replies, medusa, lookup, strict=True):
+        n, j = reply.match.shape[0], 0
+        steps += 1  # the prefill
+        while j < n - 1:
+            accepted = max(med[j], look[j])  # the merged tree holds exactly the union of both paths
+            nodes += tree_size + look_nodes[j]  # an upper bound: lookups that repeat a head node are merged
+            steps += 1
+            decode_steps += 1
+            j += accepted + 1
+        tokens += n
+    return Replay(tokens / max(steps, 1), nodes / max(decode_steps, 1))
+
+
+# -- 4) latency and the choice ----------------------------------------------------------------
+
+
+def interpolate(latency: dict[int, float], size: float) -> float:
+    """Step latency at a (fractional) node count, linear between measured sizes."""
+    xs = sorted(latency)
+    if size <= xs[0]:
+        return latency[xs[0]]
+    for a, b in itertools.pairwise(xs):
+        if size <= b:
+            return latency[a] + (latency[b] - latency[a]) * (size - a) / (b - a)
+    a, b = xs[-2], xs[-1]
+    return latency[b] + (latency[b] - latency[a]) * (size - b) / (b - a)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    drafter: str  # "medusa", "lookup" or "hybrid"
+    paths: list[list[int]]
+    branches: int
+    length: int
+    tokens_per_step: float
+    mean_nodes: float
+    step_ms: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return 1000 * self.tokens_per_step / self.step_ms
+
+
+def search(
+    replies: Sequence[Reply],
+    budgets: Sequence[int],
+    lookups: Sequence[tuple[int, int]],
+    step_ms: Callable[[str, float], float],
+) -> list[Candidate]:
+    """Every (drafter, budget, lookup setting) replayed and priced; best first.
+
+    `step_ms(drafter, nodes)` is the measured step latency of that drafter at that tree size."""
+    accuracy = rank_accuracies(replies)
+    looks = {cfg: [lookup_accepts(r, *cfg) for r in replies] for cfg in lookups}
+    none = [([0] * r.match.shape[0], [0] * r.match.shape[0]) for r in replies]
+    out = []
+    for budget in budgets:
+        paths = greedy_tree(accuracy, budget)
+        medusa = [medusa_accepts(r, paths) for r in replies]
+        options = [("medusa" if budget else "plain", 0, 0, none)]
+        options += [("hybrid" if budget else "lookup", b, n, looks[(b, n)]) for b, n in lookups]
+        for drafter, b, n, look in options:
+            result = replay(replies, medusa, look, len(paths) + 1)
+            ms = step_ms(drafter, result.mean_nodes)
+            out.append(Candidate(drafter, paths, b, n, result.tokens_per_step, result.mean_nodes, ms))
+    return sorted(out, key=lambda c: -c.tokens_per_second)
+
+
+# -- measuring (needs the model) --------------------------------------------------------------
+
+
+def head_candidates(model, heads, ids: list[int], start: int, top: int) -> Tensor:
+    """(n, K, top) the heads' candidates before each reply token ids[start:], from one forward."""
+    with torch.inference_mode():
+        out = model.base_model(input_ids=torch.tensor([ids], device=model.device))
+        hidden = out.last_hidden_state[0, start - 1 : len(ids) - 1]  # the state that chose each root
+        return heads.candidates(hidden, heads.num_heads, top).cpu()
+
+
+def time_ms(fn: Callable[[], object], repeats: int = 7) -> float:
+    """Median wall time of `fn` in ms, after two warm-up calls."""
+    import time
+
+    fn()
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1000 * sorted(times)[len(times) // 2]
+
+
+def verify_latency(model, context: list[int], trees: dict[int, object], settings) -> dict[int, float]:
+    """Verify + accept + cache commit time (ms) of one step, by tree size, after `context`."""
+    from core import cache as kv
+    from core.step import Draft, accept, commit, prefill, verify
+
+    cache = kv.new_cache()
+    with torch.inference_mode():
+        prefill(model, cache, torch.tensor(context, device=model.device))
+    past = kv.length(cache)
+    out = {}
+    for size, tree in sorted(trees.items()):
+        tokens = torch.tensor(context[-size:], device=model.device)  # real tokens; what is accepted matters little
+
+        def step(tokens: Tensor = tokens, tree=tree) -> None:
+            with torch.inference_mode():
+                draft = Draft(tokens, tree)
+                result = accept(verify(model, cache, draft), draft, settings, None)
+                commit(cache, past, result)
+                cache.crop(past)
+
+        out[size] = time_ms(step)
+    return out
