@@ -440,7 +440,7 @@ def _train_heads(args: argparse.Namespace) -> int:
     heads = heads.to(device=model.device, dtype=torch.float32)
     targets = heads.target_index(data.targets.to(model.device))
     data = train.Features(data.hidden.to(model.device), targets, data.source)
-    result, best = None, None
+    result, best, result_step = None, None, 0
     n_train = len(train.split(len(data.hidden), 0.1, args.seed, data.source)[0])
     total = args.epochs * train.batches_per_epoch(n_train, 256)
     with tqdm(total=total, desc="training heads", unit="batch") as bar:
@@ -452,7 +452,7 @@ def _train_heads(args: argparse.Namespace) -> int:
             top1 = " ".join(f"{a:.2f}" for a in accuracy.top1)
             bar.write(f"after step {step}: held-out top-1 per head {top1}, loss {accuracy.loss:.3f}")
             if result is None or accuracy.loss < result.loss:
-                result, best = accuracy, {k: v.clone() for k, v in heads.state_dict().items()}
+                result, best, result_step = accuracy, {k: v.clone() for k, v in heads.state_dict().items()}, step
     heads.load_state_dict(best)
     heads.to(dtype=model.dtype).save(out, base_model=args.model)
     card = {
@@ -461,11 +461,34 @@ def _train_heads(args: argparse.Namespace) -> int:
         "shared_lm_head": not args.own_lm_head, "vocab_subset": None if subset is None else len(subset),
         "epochs": args.epochs, "lr": args.lr, "decay": args.decay,
         "max_new_tokens": args.max_new_tokens, "dtype": str(model.dtype).removeprefix("torch."),
-        "held_out_top1": list(result.top1), "held_out_top5": list(result.top5),
+        "optimizer_steps": result_step, "held_out_top1": list(result.top1), "held_out_top5": list(result.top5),
     }  # fmt: skip
     (out / "training.json").write_text(json.dumps(card, indent=1) + "\n", encoding="utf-8")
+    (out / "README.md").write_text(_heads_card(card, result_step), encoding="utf-8")
     print(f"heads saved in {out}; held-out top-1 per head: {', '.join(f'{a:.2f}' for a in result.top1)}")
     return 0
+
+
+def _heads_card(card: dict, steps: int) -> str:
+    """A short human-readable card for a heads folder (the numbers are in training.json)."""
+    rows = "\n".join(
+        f"| {k + 1} | t+{k + 2} | {t1:.3f} | {t5:.3f} |"
+        for k, (t1, t5) in enumerate(zip(card["held_out_top1"], card["held_out_top5"], strict=True))
+    )
+    vocab = f", read out over the {card['vocab_subset']} tokens the model wrote" if card.get("vocab_subset") else ""
+    return (
+        f"# Medusa heads for {card['base_model']}\n\n"
+        f"Medusa-1 heads ({card['num_heads']} heads, {card['layers']} residual block each, "
+        f"{'shared' if card['shared_lm_head'] else 'own'} lm_head{vocab}), trained by `medusa-chat train-heads` "
+        f"with the backbone frozen ({card['dtype']}).\n\n"
+        f"- Data: {card['prompts']} seed prompts answered greedily by the model itself (up to "
+        f"{card['max_new_tokens']} new tokens): {card['transcripts']} transcripts, {card['positions']} positions; "
+        "whole transcripts held out for evaluation.\n"
+        f"- Training: loss Σ {card['decay']}^k·CE, AdamW lr {card['lr']}, {card['epochs']} epochs; the kept "
+        f"weights are those after optimizer step {steps} (lowest held-out loss).\n\n"
+        "| head | predicts | held-out top-1 | held-out top-5 |\n|---|---|---|---|\n"
+        f"{rows}\n"
+    )
 
 
 LOOKUP_SETTINGS = ((1, 4), (2, 4), (3, 4), (1, 6), (2, 6), (3, 6), (4, 8))  # (branches, length) tried

@@ -34,6 +34,7 @@ class Run:
     tokens: int
     steps: int
     seconds: float
+    draft_seconds: float = 0.0  # time spent building trees (tree modes)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class Summary:
     tokens_per_second: float
     tokens_per_step: float
     step_ms: float  # mean wall time of one step
+    draft_share: float = 0.0  # share of the time spent building trees (tree modes)
 
 
 def check_modes(modes: Iterable[str]) -> tuple[str, ...]:
@@ -62,11 +64,11 @@ def run_once(
     drafters: dict[str, Drafter],
     eos_ids: tuple[int, ...],
     seed: int,
-) -> tuple[int, int, float]:
-    """(tokens, steps, seconds) of one reply in one mode."""
+) -> tuple[int, int, float, float]:
+    """(tokens, steps, seconds, seconds spent drafting) of one reply in one mode."""
     if mode in (*TREE_MODES, "baseline"):
         generator = torch.Generator(model.device).manual_seed(seed)
-        _, done = collect(
+        events, done = collect(
             stream(
                 model,
                 prompt_ids,
@@ -77,8 +79,8 @@ def run_once(
                 generator,
             )
         )
-        return len(done.token_ids), done.steps, done.seconds
-    return _run_hf(mode, model, prompt_ids, settings, eos_ids, seed)
+        return len(done.token_ids), done.steps, done.seconds, sum(e.draft_seconds for e in events)
+    return (*_run_hf(mode, model, prompt_ids, settings, eos_ids, seed), 0.0)
 
 
 def _run_hf(
@@ -144,7 +146,10 @@ def summarize(runs: list[Run]) -> dict[str, Summary]:
         mine = [r for r in runs if r.mode == mode]
         tokens, steps = sum(r.tokens for r in mine), sum(r.steps for r in mine)
         seconds = sum(r.seconds for r in mine)
-        out[mode] = Summary(tokens, steps, seconds, tokens / seconds, tokens / steps, 1000 * seconds / steps)
+        drafting = sum(r.draft_seconds for r in mine)
+        out[mode] = Summary(
+            tokens, steps, seconds, tokens / seconds, tokens / steps, 1000 * seconds / steps, drafting / seconds
+        )
     return out
 
 
@@ -159,14 +164,15 @@ def speedups(summary: dict[str, Summary], of: str = "medusa") -> dict[str, float
 def table(summary: dict[str, Summary]) -> str:
     """One row per mode; the last columns give its speed relative to `hf` and `baseline`."""
     refs = [m for m in ("hf", "baseline") if m in summary]
-    header = ["mode", "tokens", "steps", "tok/step", "step ms", "seconds", "tok/s"] + [f"× {m}" for m in refs]
-    widths = [10, 8, 8, 10, 9, 9, 8] + [11] * len(refs)
+    header = ["mode", "tokens", "steps", "tok/step", "step ms", "draft %", "seconds", "tok/s"]
+    header += [f"× {m}" for m in refs]
+    widths = [10, 8, 8, 10, 9, 9, 9, 8] + [11] * len(refs)
     cells = zip(header, widths, strict=True)
     lines = ["".join(f"{h:<{w}}" if i == 0 else f"{h:>{w}}" for i, (h, w) in enumerate(cells))]
     for mode, s in summary.items():
         ratios = "".join(f"{s.tokens_per_second / summary[m].tokens_per_second:>10.2f}×" for m in refs)
         lines.append(
             f"{mode:<10}{s.tokens:>8}{s.steps:>8}{s.tokens_per_step:>10.2f}{s.step_ms:>9.1f}"
-            f"{s.seconds:>9.1f}{s.tokens_per_second:>8.1f}{ratios}"
+            f"{100 * s.draft_share:>9.1f}{s.seconds:>9.1f}{s.tokens_per_second:>8.1f}{ratios}"
         )
     return "\n".join(lines)

@@ -40,6 +40,7 @@ class StepEvent:
     sources: tuple[str, ...] = ()  # per accepted drafted token: "heads", "context" or "both"
     parents: tuple[int, ...] = ()  # the tree's shape: parent of each node (the root its own)
     node_sources: tuple[str, ...] = ()  # per tree node: "root", "heads", "context" or "both"
+    draft_seconds: float = 0.0  # of `seconds`, the time the drafter took to build this step's tree
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,9 @@ def stream(
     start = time.perf_counter()
     cache = kv.new_cache()
 
-    def event(step: int, new: list[int], accepted: int, path: Tensor, draft: Draft | None, t0: float) -> StepEvent:
+    def event(
+        step: int, new: list[int], accepted: int, path: Tensor, draft: Draft | None, t0: float, drafting: float = 0.0
+    ) -> StepEvent:
         now = time.perf_counter()
         nodes = path.tolist()
         if draft is None:  # the prefill
@@ -98,6 +101,7 @@ def stream(
             step, tuple(new), detok.push(new), accepted, tuple(nodes), tuple(draft.tokens.tolist()),
             draft.tree.size, now - t0, len(out) / (now - start),
             sources=tuple(kinds[i] for i in nodes[1:]), parents=tuple(draft.tree.parent.tolist()), node_sources=kinds,
+            draft_seconds=drafting,
         )  # fmt: skip
 
     with torch.inference_mode():
@@ -122,6 +126,7 @@ def stream(
             step += 1
             prefix_len = kv.length(cache)
             draft = drafter.propose(hidden, root, history)
+            drafting = time.perf_counter() - t0
             fwd = verify(model, cache, draft)
             result = accept(fwd, draft, settings, generator)
             commit(cache, prefix_len, result)
@@ -130,7 +135,7 @@ def stream(
             new, reason = _trim(tokens, out, eos, limit)
             out += new
             history += new
-            yield (e := event(step, new, result.accepted, result.path, draft, t0))
+            yield (e := event(step, new, result.accepted, result.path, draft, t0, drafting))
             reason = reason or _stopped(detok.text, e.text, settings.stop)
 
     # 3) finish

@@ -83,7 +83,8 @@ def resolve(name: str, on_progress=None) -> ModelSpec:
     """A catalog id, a local folder, or a hub repo id ("org/name") → local folders."""
     if name == EMBEDDED_ID:
         folder = embedded_dir()
-        return ModelSpec(name, folder, folder, shipped_heads_dir(name), None, "cpu-16")
+        entry = catalog.find(name)
+        return ModelSpec(name, folder, folder, shipped_heads_dir(name), None, entry.tree if entry else "cpu-16")
     if entry := catalog.find(name):
         label = entry.id
         folder = _fetch_source(entry.backbone, label, on_progress, weights=True)

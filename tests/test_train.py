@@ -83,6 +83,9 @@ def test_train_heads_cli_saves_loadable_heads_and_resumes(tmp_path):
     assert run.returncode == 0, run.stderr
     card = json.loads((out / "training.json").read_text())
     assert card["transcripts"] == 3 and len(card["held_out_top1"]) == 3
+    assert "held-out top-1" in (out / "README.md").read_text() and (out / "data" / "features.safetensors").is_file()
+    heads_subset = json.loads((out / "config.json").read_text())["vocab_subset"]
+    assert 0 < heads_subset == card["vocab_subset"] < 49152  # read out over the tokens the model wrote
     heads = load_heads(out, torch.nn.Linear(576, 49152, bias=False))
     assert (heads.num_heads, heads.num_layers, heads.shared) == (3, 1, True)
     transcripts = (out / "data" / "transcripts.jsonl").read_text()
