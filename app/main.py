@@ -246,7 +246,7 @@ def _generate(args: argparse.Namespace) -> int:
                 break
             steps.append(len(e.token_ids))
             if not args.json:
-                painter.write(e.text, e.accepted)
+                painter.write(e.text, e.accepted, e.sources)
         samples.append(
             {
                 "text": done.text,
@@ -277,7 +277,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 class _Painter:
-    """Colors each step's text in a terminal: drafted-and-accepted steps stand out."""
+    """Colors each step's text in a terminal: drafted-and-accepted steps stand out, and those
+    whose drafts were copied from the conversation are also underlined."""
 
     COLORS = ("\x1b[38;5;39m", "\x1b[38;5;208m", "\x1b[38;5;35m", "\x1b[38;5;170m")
 
@@ -285,10 +286,11 @@ class _Painter:
         self.enabled = enabled
         self.n = 0
 
-    def write(self, text: str, accepted: int) -> None:
+    def write(self, text: str, accepted: int, sources: tuple[str, ...] = ()) -> None:
         if self.enabled and accepted:
             self.n += 1
-            text = f"{self.COLORS[self.n % len(self.COLORS)]}{text}\x1b[0m"
+            underline = "\x1b[4m" if any(s in ("context", "both") for s in sources) else ""
+            text = f"{self.COLORS[self.n % len(self.COLORS)]}{underline}{text}\x1b[0m"
         sys.stdout.write(text)
         sys.stdout.flush()
 
@@ -551,10 +553,10 @@ def _calibrate(args: argparse.Namespace) -> int:
     verify_ms = cal.verify_latency(model, context, trees, settings)
     hidden = torch.zeros(model.config.get_text_config().hidden_size, device=model.device, dtype=model.dtype)
     root = torch.tensor(context[-1], device=model.device)
-    medusa = MedusaDrafter(heads, trees[max(n for n in sizes if trees[n].max_depth == heads.num_heads)])
+    medusa = MedusaDrafter(heads, trees[max(sizes)])  # the deepest tree: every head computed
     heads_ms = cal.time_ms(lambda: medusa.propose(hidden, root, context))
     lookup = LookupDrafter(None, 3, 6)
-    lookup_ms = cal.time_ms(lambda: lookup.propose(hidden, root, context[: len(context) - len(context) % 7]))
+    lookup_ms = cal.time_ms(lambda: lookup.propose(hidden, root, context))
     plain_ms = cal.time_ms(lambda: NoDrafter(model.device).propose(hidden, root)) + verify_ms[1]
 
     def step_ms(kind: str, nodes: float) -> float:

@@ -239,14 +239,14 @@ def verify_latency(model, context: list[int], trees: dict[int, object], settings
     past = kv.length(cache)
     out = {}
     for size, tree in sorted(trees.items()):
-        tokens = torch.tensor(context[-size:], device=model.device)  # real tokens; what is accepted matters little
+        tokens = torch.tensor((context * (size // len(context) + 1))[:size], device=model.device)  # real tokens
 
         def step(tokens: Tensor = tokens, tree=tree) -> None:
             with torch.inference_mode():
                 draft = Draft(tokens, tree)
                 result = accept(verify(model, cache, draft), draft, settings, None)
                 commit(cache, past, result)
-                cache.crop(past)
+                cache.crop(past - kv.length(cache))  # back to the context (a negative count)
 
         out[size] = time_ms(step)
     return out

@@ -55,6 +55,33 @@ def test_medusa_equals_baseline_in_float32_at_temperature_zero(random_heads_dir,
         assert (medusa["mode"], baseline["mode"], medusa["acceptance"]) == ("medusa", "baseline", "lossless")
 
 
+@pytest.mark.parametrize("drafter", ["lookup", "hybrid"])
+def test_lookup_drafters_equal_baseline_in_float32(random_heads_dir, drafter):
+    prompt = "Repeat after me: the quick brown fox jumps over the lazy dog, the quick brown fox."
+    common = ["--prompt", prompt, "--dtype", "float32", "--max-new-tokens", "40"]
+    ours = generate_json(*common, "--drafter", drafter, "--heads", random_heads_dir)
+    baseline = generate_json(*common, "--mode", "baseline")
+    assert ours["samples"][0]["token_ids"] == baseline["samples"][0]["token_ids"]
+    assert ours["drafter"] == drafter and max(ours["samples"][0]["steps"]) > 1  # the copy was accepted
+
+
+def test_calibrate_writes_a_preset_that_decodes(tmp_path, random_heads_dir):
+    prompts = tmp_path / "cal.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:2]))
+    out = tmp_path / "preset.json"
+    args = ["--heads", random_heads_dir, "--prompts", str(prompts), "--max-new-tokens", "24"]
+    result = cli("calibrate", *args, "--budgets", "0,2,4", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    preset = json.loads(out.read_text())
+    assert preset["drafter"] in ("medusa", "lookup", "hybrid") and len(preset["paths"]) in (0, 2, 4)
+    assert preset["calibration"]["replies"] == 2 and set(preset["calibration"]["verify_ms"]) >= {"1", "3", "5"}
+    assert "tok/step" in result.stdout
+    ours = generate_json(
+        "--prompt", PROMPTS[0], "--tree", str(out), "--heads", random_heads_dir, "--max-new-tokens", "8"
+    )
+    assert ours["tree"] == "preset" and len(ours["samples"][0]["token_ids"]) == 8
+
+
 def test_num_samples_are_independent_and_seeded():
     args = ["--prompt", "Tell me a story.", "--temperature", "1.0", "--max-new-tokens", "12"]
     first = generate_json(*args, "--num-samples", "3", "--seed", "5")["samples"]
