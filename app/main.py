@@ -588,6 +588,15 @@ def _calibrate(args: argparse.Namespace) -> int:
             "heads_ms": round(heads_ms, 2), "lookup_ms": round(lookup_ms, 2), "plain_step_ms": round(plain_ms, 2),
             "expected_tokens_per_step": round(best.tokens_per_step, 3), "expected_nodes": round(best.mean_nodes, 2),
             "expected_speedup_over_plain": round(best.tokens_per_second / (1000 / plain_ms), 3),
+            "best_per_drafter": {
+                kind: {
+                    "paths": c.paths, "lookup": {"branches": c.branches, "length": c.length},
+                    "tokens_per_step": round(c.tokens_per_step, 3), "nodes": round(c.mean_nodes, 2),
+                    "step_ms": round(c.step_ms, 2), "tokens_per_second": round(c.tokens_per_second, 2),
+                }
+                for kind in ("plain", "medusa", "lookup", "hybrid")
+                if (c := next((c for c in ranked if c.drafter == kind), None))
+            },
         },
     }  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
