@@ -21,15 +21,23 @@ from core.errors import UserError
 log = logging.getLogger("medusa-chat")
 
 
-def _decoding_options(p: argparse.ArgumentParser) -> None:
+def _model_options(p: argparse.ArgumentParser, heads: bool = True) -> None:
+    """Which model (and heads) to load, and how: shared by every command that loads one."""
     p.add_argument("--model", default="smollm2-135m-instruct", help="catalog id, hub repo id or model folder")
-    p.add_argument("--heads", help="Medusa heads: a folder or a hub repo id (default: the model's own)")
+    if heads:
+        p.add_argument("--heads", help="Medusa heads: a folder or a hub repo id (default: the model's own)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument(
         "--quantization",
         default="auto",
         choices=["auto", "none", "nf4", "int8"],
         help="auto: 4-bit nf4 on a GPU, none on a CPU",
     )
+
+
+def _decoding_options(p: argparse.ArgumentParser) -> None:
+    _model_options(p)
     p.add_argument("--acceptance", default="lossless", choices=["lossless", "typical"])
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -42,8 +50,6 @@ def _decoding_options(p: argparse.ArgumentParser) -> None:
         choices=["medusa", "lookup", "hybrid"],
         help="medusa: heads; lookup: copies from the conversation; hybrid: both in one tree (default: the tree's)",
     )
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--seed", type=int, default=0)
@@ -77,14 +83,10 @@ def parser() -> argparse.ArgumentParser:
     ui.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: this machine only)")
     ui.add_argument("--port", type=int, default=None, help="port (default: 7860 or the next free one)")
     ui.add_argument("--no-browser", action="store_true", help="do not open a browser tab")
-    ui.add_argument("--model", default="smollm2-135m-instruct", help="catalog id, hub repo id or model folder")
-    ui.add_argument("--heads", help="Medusa heads: a folder or a hub repo id (default: the model's own)")
-    ui.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    ui.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    ui.add_argument("--quantization", default="auto", choices=["auto", "none", "nf4", "int8"])
+    _model_options(ui)
 
     train = sub.add_parser("train-heads", help="train Medusa heads for a model by self-distillation")
-    train.add_argument("--model", default="smollm2-135m-instruct", help="catalog id, hub repo id or model folder")
+    _model_options(train, heads=False)
     train.add_argument("--prompts", required=True, help='JSONL seed prompts, one {"prompt": ...} per line')
     train.add_argument("--out", required=True, help="folder for the trained heads")
     train.add_argument("--work-dir", help="transcripts go here (default: OUT/data); a rerun resumes")
@@ -101,25 +103,18 @@ def parser() -> argparse.ArgumentParser:
     train.add_argument("--decay", type=float, default=0.8, help="loss weight λ^k of head k")
     train.add_argument("--batch-size", type=int, default=32, help="prompts per generation batch")
     train.add_argument("--max-new-tokens", type=int, default=160)
-    train.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    train.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    train.add_argument("--quantization", default="auto", choices=["auto", "none", "nf4", "int8"])
     train.add_argument("--seed", type=int, default=0)
 
     sub.add_parser("models", help="list the model catalog and what is downloaded")
     cal = sub.add_parser(
         "calibrate", help="measure the heads and this machine; write the tree preset that decodes fastest"
     )
-    cal.add_argument("--model", default="smollm2-135m-instruct", help="catalog id, hub repo id or model folder")
-    cal.add_argument("--heads", help="Medusa heads: a folder or a hub repo id (default: the model's own)")
+    _model_options(cal)
     cal.add_argument("--prompts", help="JSONL calibration prompts (default: the shipped calibration set)")
     cal.add_argument("--max-prompts", type=int, default=60, help="use at most this many prompts")
     cal.add_argument("--max-new-tokens", type=int, default=128)
     cal.add_argument("--budgets", default="0,1,2,3,4,6,8,10,12,16,20,24,32,48,64", help="tree sizes to try")
     cal.add_argument("--out", help="preset file to write (default: ./MODEL-calibrated.json)")
-    cal.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    cal.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    cal.add_argument("--quantization", default="auto", choices=["auto", "none", "nf4", "int8"])
 
     download = sub.add_parser("download", help="fetch a catalog model (backbone and heads)")
     download.add_argument("id", help="catalog id (see `medusa-chat models`) or hub repo id")
@@ -535,7 +530,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     with tqdm(total=len(encoded), desc="greedy replies", unit="prompt") as bar:
         for b in range(0, len(encoded), 8):
             batch = encoded[b : b + 8]
-            answers = train._generate_batch(model, batch, backbone.eos_ids, pad, args.max_new_tokens)
+            answers = train.greedy_answers(model, batch, backbone.eos_ids, pad, args.max_new_tokens)
             for ids, answer in zip(batch, answers, strict=True):
                 if len(answer) > 1:
                     full = ids + answer
@@ -557,7 +552,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     heads_ms = cal.time_ms(lambda: medusa.propose(hidden, root, context))
     lookup = LookupDrafter(None, 3, 6)
     lookup_ms = cal.time_ms(lambda: lookup.propose(hidden, root, context))
-    plain_ms = cal.time_ms(lambda: NoDrafter(model.device).propose(hidden, root)) + verify_ms[1]
+    plain = NoDrafter(model.device)
+    plain_ms = cal.time_ms(lambda: plain.propose(hidden, root)) + verify_ms[1]
 
     def step_ms(kind: str, nodes: float) -> float:
         extra = {"plain": 0.0, "medusa": heads_ms, "lookup": lookup_ms, "hybrid": heads_ms + lookup_ms}[kind]

@@ -21,8 +21,9 @@ from core.errors import UserError
 from core.generate import collect, stream
 from core.settings import DecodeSettings
 from core.step import Drafter
+from core.tree import DRAFTERS
 
-TREE_MODES = ("medusa", "lookup", "hybrid")  # our tree loop, named by its drafter
+TREE_MODES = DRAFTERS  # our tree loop, named by its drafter
 MODES = (*TREE_MODES, "baseline", "hf", "hf-pld")
 PLD_TOKENS = 10  # prompt-lookup draft length, the value transformers documents
 

@@ -4,7 +4,7 @@ Medusa §3.3.3 builds a tree greedily from per-head top-k accuracies. Here that 
 first half; the second half is the hardware: a bigger tree accepts more tokens per step but
 costs more per verify forward, and on a CPU the forward grows fast with the token count.
 
-1) `Positions`: greedy replies to calibration prompts, and at every reply position the heads'
+1) `Reply`: a greedy reply to a calibration prompt, and at every reply position the heads'
    top-k candidates and whether each equals the true token (one backbone pass per reply).
 2) `rank_accuracies` → `greedy_tree` for every node budget.
 3) Exact replay: greedy decoding accepts the longest drafted path that equals the greedy
@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from core import cache as kv
 from core.lookup import NgramIndex
+from core.step import Draft, accept, commit, prefill, verify
 
 # -- 1) positions -----------------------------------------------------------------------------
 
@@ -108,8 +111,9 @@ def lookup_accepts(reply: Reply, branches: int, length: int, max_ngram: int = 4)
     ids, start = reply.ids, reply.start
     n = reply.match.shape[0]
     accepts, nodes = [], []
+    index.extend(ids[:start])
     for j in range(n):
-        index.sync(ids[: start + j + 1])
+        index.extend(ids[start + j : start + j + 1])  # the history up to root j, one token more per position
         found = index.continuations(branches, length) if branches else []
         truth = ids[start + j + 1 : start + j + 1 + length]
         best = 0
@@ -216,8 +220,6 @@ def head_candidates(model, heads, ids: list[int], start: int, top: int) -> Tenso
 
 def time_ms(fn: Callable[[], object], repeats: int = 7) -> float:
     """Median wall time of `fn` in ms, after two warm-up calls."""
-    import time
-
     fn()
     fn()
     times = []
@@ -230,9 +232,6 @@ def time_ms(fn: Callable[[], object], repeats: int = 7) -> float:
 
 def verify_latency(model, context: list[int], trees: dict[int, object], settings) -> dict[int, float]:
     """Verify + accept + cache commit time (ms) of one step, by tree size, after `context`."""
-    from core import cache as kv
-    from core.step import Draft, accept, commit, prefill, verify
-
     cache = kv.new_cache()
     with torch.inference_mode():
         prefill(model, cache, torch.tensor(context, device=model.device))

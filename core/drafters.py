@@ -15,9 +15,7 @@ from torch import Tensor
 from core.errors import UserError
 from core.lookup import NgramIndex
 from core.step import Draft
-from core.tree import CONTEXT, TreeBuffers, build_tree, check_fits, graft
-
-DRAFTERS = ("medusa", "lookup", "hybrid")
+from core.tree import CONTEXT, DRAFTERS, TreeBuffers, build_tree, check_fits, graft
 
 
 class Heads(Protocol):

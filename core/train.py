@@ -67,7 +67,7 @@ def distill(
     out_file.parent.mkdir(parents=True, exist_ok=True)
     for b in range(0, len(todo), batch_size):
         batch = todo[b : b + batch_size]
-        answers = _generate_batch(model, [prompts[i] for i in batch], eos_ids, pad_id, max_new_tokens)
+        answers = greedy_answers(model, [prompts[i] for i in batch], eos_ids, pad_id, max_new_tokens)
         with out_file.open("a", encoding="utf-8") as f:
             for i, answer in zip(batch, answers, strict=True):
                 f.write(json.dumps({"index": i, "prompt_ids": prompts[i], "answer_ids": answer}) + "\n")
@@ -76,7 +76,7 @@ def distill(
     return written
 
 
-def _generate_batch(
+def greedy_answers(
     model: PreTrainedModel, prompts: list[list[int]], eos_ids: tuple[int, ...], pad_id: int, max_new_tokens: int
 ) -> list[list[int]]:
     width = max(map(len, prompts))

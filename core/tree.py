@@ -24,6 +24,7 @@ Path_ = tuple[int, ...]
 
 
 SOURCES = ("root", "heads", "context", "both")  # where a node's token came from
+DRAFTERS = ("medusa", "lookup", "hybrid")  # heads only, context only, both in one tree
 ROOT, HEADS, CONTEXT, BOTH = range(4)
 
 
@@ -212,7 +213,7 @@ def load_preset(name_or_file: str) -> Preset:
         return Preset(file.stem, build_tree(data))
     lookup = data.get("lookup") or {}
     drafter, branches, length = data.get("drafter", "medusa"), lookup.get("branches", 2), lookup.get("length", 4)
-    valid = drafter in ("medusa", "lookup", "hybrid") and all(
+    valid = drafter in DRAFTERS and all(
         isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 16 for v in (branches, length)
     )
     if not valid:
