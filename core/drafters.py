@@ -74,5 +74,10 @@ def make_drafter(
         raise UserError(f"Unknown drafter '{kind}'; choose one of {', '.join(DRAFTERS)}.")
     if kind == "lookup":
         return LookupDrafter(None, branches, length)
+    if kind == "medusa" and tree.size == 1:
+        raise UserError(
+            f"{tree_name} has no paths, so the heads would draft nothing; choose a tree with paths such as "
+            "[[0], [1], [0, 0]], or plain decoding (--mode baseline)."
+        )
     medusa = MedusaDrafter(heads, tree, tree_name=tree_name)
     return medusa if kind == "medusa" else LookupDrafter(medusa, branches, length)

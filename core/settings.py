@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from core.acceptance import check_typical
@@ -24,12 +25,14 @@ class DecodeSettings:
     def __post_init__(self) -> None:
         if self.acceptance not in ACCEPTANCE_RULES:
             raise UserError(f"Acceptance must be lossless or typical, got '{self.acceptance}'.")
-        if not self.temperature >= 0:
-            raise UserError(f"Temperature must be ≥ 0 (0 is greedy), got {self.temperature}.")
+        if not 0 <= self.temperature < math.inf:
+            raise UserError(f"Temperature must be a finite number ≥ 0 (0 is greedy), got {self.temperature}.")
         if not 0 < self.top_p <= 1:
             raise UserError(f"top-p must be in (0, 1], got {self.top_p}; 1 turns it off.")
         if self.top_k < 0:
             raise UserError(f"top-k must be ≥ 0, got {self.top_k}; 0 turns it off.")
         if self.max_new_tokens < 1:
             raise UserError(f"max new tokens must be at least 1, got {self.max_new_tokens}.")
+        if not all(self.stop):
+            raise UserError("A stop string must not be empty: it would end every reply at its first token.")
         check_typical(self.epsilon, self.delta)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -45,7 +46,7 @@ def embedded_dir() -> Path:
     if (target / "model.safetensors").is_file():
         return target
     gguf = embedded_gguf()
-    print(f"Converting the embedded model to {target} (once, about 20 s)…", flush=True)
+    print(f"Converting the embedded model to {target} (once, about 20 s)…", file=sys.stderr, flush=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # A GGUF-loaded model refuses save_pretrained; rebuild it from a plain config.

@@ -84,8 +84,16 @@ def _checkpoint_shards(folder: Path) -> list[Path]:
                 weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             except (OSError, ValueError, KeyError) as e:
                 raise UserError(f"{index} is not a readable checkpoint index ({e}).") from e
-            return sorted({folder / f for k, f in weight_map.items() if k.startswith(PREFIX)})
+            return sorted({_inside(folder, f, index) for k, f in weight_map.items() if k.startswith(PREFIX)})
     return sorted(folder.glob("*.safetensors")) + sorted(folder.glob("pytorch_model*.bin"))
+
+
+def _inside(folder: Path, name: object, index: Path) -> Path:
+    """A shard named by an index, refused unless it is a file name inside `folder`."""
+    path = folder / str(name)
+    if not isinstance(name, str) or Path(name).is_absolute() or not path.resolve().is_relative_to(folder.resolve()):
+        raise UserError(f"{index} names the shard {name!r} outside its folder; the checkpoint is not usable.")
+    return path
 
 
 def _heads_from_shard(shard: Path) -> dict[str, Tensor]:

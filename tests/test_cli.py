@@ -154,6 +154,16 @@ def test_bad_input_gives_one_sentence_and_a_nonzero_exit(tmp_path, random_heads_
         "bad prompt file": (["bench", "--prompts", str(bad_prompts)], "Line 2"),
         "unknown mode": (["bench", "--prompts", str(bad_prompts), "--modes", "fast"], "Unknown bench mode"),
     }
+    empty_tree = tmp_path / "empty.json"
+    empty_tree.write_text("[]")
+    cases |= {
+        "infinite temperature": (["generate", "--prompt", "hi", "--temperature", "inf"], "'inf'"),
+        "nan top-p": (["generate", "--prompt", "hi", "--top-p", "nan"], "'nan'"),
+        "empty stop string": (["generate", "--prompt", "hi", "--stop", ""], "stop string must not be empty"),
+        "empty tree": (["generate", "--prompt", "hi", "--tree", str(empty_tree)], "has no paths"),
+        "unknown device": (["generate", "--prompt", "hi", "--device", "bogus"], "unknown device 'bogus'"),
+        "unknown ui option": (["--port", "80", "--colour"], "unrecognized arguments: --colour"),
+    }
     for name, (args, expected) in cases.items():
         result = cli(*args)
         assert result.returncode == 2, (name, result.stderr)

@@ -1,0 +1,72 @@
+"""`medusa-chat bench`: decoding modes compared on a prompt file, interleaved per prompt."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from app.cli.options import decoding_options, read_prompts, setup
+
+HELP = "compare decoding modes on a prompt file (the table on stdout)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompts", required=True, help='JSONL file, one {"prompt": ...} per line')
+    p.add_argument(
+        "--modes",
+        help="comma-separated: medusa, lookup, hybrid (tree decoding with that drafter), baseline (our plain "
+        "loop), hf, hf-pld (transformers generate, plain and prompt lookup); default: drafter,baseline,hf,hf-pld",
+    )
+    p.add_argument("--system", help="system prompt for every prompt")
+    p.add_argument("--json", dest="json_out", metavar="OUT", help="write the results here")
+    decoding_options(p)
+    p.set_defaults(max_new_tokens=128)
+
+
+def run(args: argparse.Namespace) -> int:
+    from core.bench import TREE_MODES, check_modes, run_bench, speedups, summarize, table
+    from core.tree import load_preset
+
+    if args.modes:
+        modes = check_modes(args.modes.split(","))
+    else:
+        default = args.drafter or (load_preset(args.tree).drafter if args.tree else None)
+        modes = (default or "default", "baseline", "hf", "hf-pld")
+    prompts = read_prompts(args.prompts)
+    settings, backbone, drafters, preset = setup(args, tuple(m for m in modes if m in TREE_MODES) or None)
+    if "default" in modes:  # the model's own drafter
+        modes = (next(iter(drafters)), *modes[1:])
+    encoded = [backbone.encode_chat(p, args.system) for p in prompts]
+    print(
+        f"bench: {len(prompts)} prompts × {', '.join(modes)} on {args.model} ({backbone.model.dtype})",
+        file=sys.stderr,
+    )
+
+    def progress(run) -> None:
+        print(
+            f"  prompt {run.prompt + 1:>3} {run.mode:<9} {run.tokens:>4} tokens "
+            f"{run.steps:>4} steps {run.seconds:6.2f} s",
+            file=sys.stderr,
+        )
+
+    runs = run_bench(encoded, modes, backbone.model, settings, drafters, backbone.eos_ids, args.seed, progress)
+    summary = summarize(runs)
+    print(table(summary))
+    if args.json_out:
+        report = {
+            "model": args.model,
+            "dtype": str(backbone.model.dtype).removeprefix("torch."),
+            "tree": preset.name,
+            "lookup": {"branches": preset.lookup_branches, "length": preset.lookup_length},
+            "settings": asdict(settings),
+            "prompts": len(prompts),
+            "summary": {m: asdict(s) for m, s in summary.items()},
+            "speedup": speedups(summary, modes[0]),
+            "speedups": {m: speedups(summary, m) for m in modes if m in TREE_MODES},
+            "runs": [asdict(r) for r in runs],
+        }
+        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return 0

@@ -1,0 +1,141 @@
+"""Options shared by several commands, and the loading they lead to (model, heads, drafters)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from core.errors import UserError
+from core.settings import ACCEPTANCE_RULES, DecodeSettings
+from core.tree import DRAFTERS
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "none", "nf4", "int8")
+
+
+def model_options(p: argparse.ArgumentParser, heads: bool = True) -> None:
+    """Which model (and heads) to load, and how: shared by every command that loads one."""
+    from models.embedded import EMBEDDED_ID
+
+    p.add_argument("--model", default=EMBEDDED_ID, help="catalog id, hub repo id or model folder")
+    if heads:
+        p.add_argument("--heads", help="Medusa heads: a folder or a hub repo id (default: the model's own)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: measured on this machine")
+    p.add_argument("--device", default="auto", type=device_name, help="auto, cpu, cuda or cuda:N")
+    p.add_argument(
+        "--quantization", default="auto", choices=QUANTIZATIONS, help="auto: 4-bit nf4 on a GPU, none on a CPU"
+    )
+
+
+def decoding_options(p: argparse.ArgumentParser) -> None:
+    model_options(p)
+    p.add_argument("--acceptance", default="lossless", choices=ACCEPTANCE_RULES)
+    p.add_argument("--temperature", type=finite, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=finite, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--epsilon", type=finite, default=0.09, help="typical: probability threshold ε")
+    p.add_argument("--delta", type=finite, default=0.3, help="typical: entropy threshold δ")
+    p.add_argument("--tree", help="tree preset name or JSON file (default: the model's)")
+    p.add_argument(
+        "--drafter",
+        choices=DRAFTERS,
+        help="medusa: heads; lookup: copies from the conversation; hybrid: both in one tree (default: the tree's)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--stop", action="append", default=[], type=stop_string, help="stop string (repeatable)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def finite(text: str) -> float:
+    """A finite number: 'inf' and 'nan' are refused like any other non-number."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def stop_string(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("a stop string must not be empty (it would end every reply at once)")
+    return text
+
+
+def device_name(text: str) -> str:
+    """auto, cpu, cuda or cuda:N: anything else is a usage error before any loading."""
+    kind, _, index = text.partition(":")
+    if (text in ("auto", "cpu", "cuda")) or (kind == "cuda" and index.isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"unknown device {text!r}; choose auto, cpu, cuda or cuda:N")
+
+
+def settings(args: argparse.Namespace) -> DecodeSettings:
+    return DecodeSettings(
+        acceptance=args.acceptance,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        epsilon=args.epsilon,
+        delta=args.delta,
+        max_new_tokens=args.max_new_tokens,
+        stop=tuple(args.stop),
+    )
+
+
+def setup(args: argparse.Namespace, kinds: tuple[str, ...] | None):
+    """Validate cheap things first, then load: (settings, backbone, {drafter kind: drafter}, preset).
+
+    `kinds` None means the drafter chosen by --drafter or, failing that, by the tree preset."""
+    from core.drafters import make_drafter
+    from core.tree import load_preset, preset_names
+    from models.loader import heads_for, load_backbone, resolve, resolve_heads
+
+    decode = settings(args)
+    chosen = load_preset(args.tree) if args.tree else None  # a bad tree is refused before any download
+    spec = resolve(args.model)
+    preset = chosen or load_preset(spec.tree if spec.tree in preset_names() else "cpu-16")
+    kinds = kinds if kinds is not None else (args.drafter or preset.drafter,)
+    need_heads = any(k in ("medusa", "hybrid") for k in kinds)
+    heads_dir = (resolve_heads(args.heads) if args.heads else spec.heads_folder) if need_heads else None
+    backbone = load_backbone(args.model, args.dtype, args.device, args.quantization, spec=spec)
+    heads = None
+    if need_heads:
+        heads, trained = heads_for(backbone, heads_dir, num_heads=max(preset.tree.max_depth, 4))
+        if not trained:
+            print(
+                "warning: no trained Medusa heads for this model, so drafts are rarely accepted; pass --heads FOLDER.",
+                file=sys.stderr,
+            )
+    tree = preset.tree.to(backbone.model.device)
+    drafters = {
+        k: make_drafter(k, heads, tree, f"Tree '{preset.name}'", preset.lookup_branches, preset.lookup_length)
+        for k in kinds
+    }
+    return decode, backbone, drafters, preset
+
+
+def read_prompts(file: str) -> list[str]:
+    path = Path(file).expanduser()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"Cannot read the prompt file {path} ({e.__class__.__name__}); check the path.") from e
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            prompt = json.loads(line)["prompt"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise UserError(f'Line {n} of {path} is not a JSON object with a "prompt"; fix that line.') from None
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise UserError(f'Line {n} of {path} has an empty "prompt"; fill it or remove the line.')
+        prompts.append(prompt)
+    if not prompts:
+        raise UserError(f'{path} holds no prompts; add lines like {{"prompt": "Hello"}}.')
+    return prompts
