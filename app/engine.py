@@ -8,6 +8,7 @@ event stream. One generation runs at a time (the UI queues the rest). No decodin
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -16,7 +17,8 @@ import torch
 
 from core.drafters import make_drafter
 from core.errors import UserError
-from core.generate import Finished, StepEvent, stream
+from core.generate import Finished, StepEvent, context_length, stream
+from core.history import Fitted, fit_history
 from core.settings import DecodeSettings
 from core.step import Drafter
 from core.tree import Preset, load_preset
@@ -93,10 +95,17 @@ class Engine:
             self._drafters[key] = (preset, drafter)
         return self._drafters[key]
 
+    def prepare(self, messages: list[dict], system: str, settings: DecodeSettings) -> Fitted:
+        """The prompt for a conversation, its oldest turns left out if it would not fit the
+        context with room for the reply; a UserError if the newest message cannot fit at all."""
+        b = self.require().backbone
+        return fit_history(
+            b.encode_messages, messages, system or None, context_length(b.model), settings.max_new_tokens
+        )
+
     def generate(
         self,
-        messages: list[dict],
-        system: str,
+        prompt_ids: list[int],
         settings: DecodeSettings,
         drafter_kind: str | None,
         tree_name: str,
@@ -106,9 +115,9 @@ class Engine:
         loaded = self.require()
         b = loaded.backbone
         drafter = None if drafter_kind is None else self.drafter(tree_name, drafter_kind or None)[1]
-        prompt = b.encode_messages(messages, system or None)
-        generator = torch.Generator(b.model.device).manual_seed(torch.seed() % 2**63)
-        return stream(b.model, prompt, settings, drafter, b.tokenizer, b.eos_ids, generator, should_stop)
+        # a fresh seed per reply from the OS, without touching torch's global generator
+        generator = torch.Generator(b.model.device).manual_seed(secrets.randbits(63))
+        return stream(b.model, prompt_ids, settings, drafter, b.tokenizer, b.eos_ids, generator, should_stop)
 
     def token_text(self, token_id: int) -> str:
         return self.require().backbone.tokenizer.decode([token_id])

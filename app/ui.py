@@ -47,8 +47,7 @@ class Session:
     stop: threading.Event = field(default_factory=threading.Event)
     events: list[StepEvent] = field(default_factory=list)  # the last reply's steps
     max_depth: int = 0
-    prompt: list[dict] = field(default_factory=list)  # the last reply's conversation
-    system: str = ""
+    prompt: list[int] = field(default_factory=list)  # the last reply's prompt ids (for Compare)
     medusa_stats: dict = field(default_factory=dict)
 
 
@@ -184,8 +183,10 @@ def build(engine: Engine) -> gr.Blocks:
         def run_turn(s: Session, sys_prompt, dec, acc, eps, dlt, temp, tp, mx, tr, drf, col):
             """Stream the reply to the chat's last turn; save it when it ends."""
             turn = s.chat.turns[-1]
-            prompt = [m for t in s.chat.turns[:-1] for m in _pair(t)] + [{"role": "user", "content": turn.user}]
             settings = settings_of(acc, eps, dlt, temp, tp, mx)
+            fitted = engine.prepare(_conversation(s.chat.turns[:-1], turn.user), sys_prompt, settings)
+            if fitted.note:
+                gr.Warning(fitted.note)
             tree_name = tree_of(tr)
             medusa = dec == "Medusa"
             kind, depth = None, 0
@@ -194,8 +195,8 @@ def build(engine: Engine) -> gr.Blocks:
                 kind = drf or preset.drafter
                 depth = preset.tree.max_depth if kind != "lookup" else preset.lookup_length
             s.stop.clear()
-            s.events, s.max_depth, s.prompt, s.system = [], depth, prompt, sys_prompt
-            events = engine.generate(prompt, sys_prompt, settings, kind, tree_name, s.stop.is_set)
+            s.events, s.max_depth, s.prompt = [], depth, fitted.ids
+            events = engine.generate(fitted.ids, settings, kind, tree_name, s.stop.is_set)
             sources = {"heads": 0, "context": 0, "both": 0}
             for e in events:
                 if isinstance(e, Finished):
@@ -238,9 +239,8 @@ def build(engine: Engine) -> gr.Blocks:
                 gr.Warning("Type a message first.")
                 yield gr.skip(), s, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
                 return
-            try:
-                settings_of(*ctl[2:8])
-                engine.require()
+            try:  # a bad setting or a message that cannot fit is refused before the turn is stored
+                engine.prepare(_conversation(s.chat.turns, message), ctl[0], settings_of(*ctl[2:8]))
             except UserError as e:
                 gr.Warning(str(e))
                 yield gr.skip(), s, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
@@ -296,29 +296,29 @@ def build(engine: Engine) -> gr.Blocks:
         def open_chat(chat_id, s, col):
             s = _session(s, engine)
             if not chat_id:
-                return gr.skip(), s, gr.skip(), gr.skip()
-            try:
-                s.chat, s.events = store.load_chat(chat_id), []
-            except (OSError, ValueError, TypeError, KeyError):
-                gr.Warning("That chat file is damaged; it was set aside.")
+                return gr.skip(), s, gr.skip(), gr.skip(), gr.skip()
+            try:  # the file is checked field by field, so what loads also renders
+                chat = store.load_chat(chat_id)
+            except store.ChatIdError as e:
+                gr.Warning(str(e))
+                return gr.skip(), s, gr.skip(), gr.skip(), gr.skip()
+            except (OSError, ValueError, TypeError, KeyError) as e:
+                gr.Warning(store.set_aside(chat_id, e))  # names the file it was moved to
                 choices, _ = _chat_choices()
-                return gr.skip(), s, gr.update(choices=choices, value=None), gr.skip()
-            last = s.chat.turns[-1].stats if s.chat.turns else {}
-            return (
-                _messages(s.chat, col),
-                s,
-                s.chat.title,
-                stats_html(last, [], []),
-            )
+                return gr.skip(), s, gr.skip(), gr.skip(), gr.update(choices=choices, value=None)
+            s.chat, s.events = chat, []
+            last = chat.turns[-1].stats if chat.turns else {}
+            return _messages(chat, col), s, chat.title, stats_html(last, [], []), gr.skip()
 
-        chat_list.input(open_chat, [chat_list, session, colors], [chatbot, session, title, stats])
+        chat_list.input(open_chat, [chat_list, session, colors], [chatbot, session, title, stats, chat_list])
 
         def rename(new_title, s):
             s = _session(s, engine)
-            if not new_title.strip():
+            new_title = store.clean_title(new_title)  # None when the API sends no title
+            if not new_title:
                 gr.Warning("Type a title first.")
                 return gr.skip(), s
-            s.chat.title = new_title.strip()[:80]
+            s.chat.title = new_title
             if s.chat.turns:
                 store.save_chat(s.chat)
             choices, _ = _chat_choices()
@@ -328,7 +328,11 @@ def build(engine: Engine) -> gr.Blocks:
 
         def delete(s):
             s = _session(s, engine)
-            store.delete_chat(s.chat.id)
+            try:
+                store.delete_chat(s.chat.id)
+            except (OSError, UserError) as e:  # a read-only folder; a bad id cannot reach a path
+                gr.Warning(f"The chat could not be deleted: {e}")
+                return gr.skip(), s, gr.skip(), gr.skip()
             s.chat, s.events = store.Chat.new(engine.model_id), []
             choices, _ = _chat_choices()
             return [], s, gr.update(choices=choices, value=None), ""
@@ -338,8 +342,7 @@ def build(engine: Engine) -> gr.Blocks:
         def export(s):
             s = _session(s, engine)
             folder = Path(tempfile.mkdtemp(prefix="medusa-chat-export-"))
-            name = "".join(ch if ch.isalnum() or ch in " -_" else "_" for ch in s.chat.title).strip() or "chat"
-            path = folder / f"{name}.md"
+            path = folder / store.export_name(s.chat.title)
             path.write_text(s.chat.to_markdown(), encoding="utf-8")
             return str(path)
 
@@ -371,7 +374,7 @@ def build(engine: Engine) -> gr.Blocks:
                 return gr.skip()
             settings = settings_of(*ctl[2:8])
             try:
-                *_, done = engine.generate(s.prompt, s.system, settings, None, "cpu-16", lambda: False)
+                *_, done = engine.generate(s.prompt, settings, None, "cpu-16", lambda: False)
             except UserError as e:
                 gr.Warning(str(e))
                 return gr.skip()
@@ -442,6 +445,12 @@ def build(engine: Engine) -> gr.Blocks:
 
 def _tree_setting(choice: str) -> str:
     return "" if choice == "(model default)" else choice
+
+
+def _conversation(turns: list[store.Turn], message: str) -> list[dict]:
+    """Earlier turns as messages, then the new user message."""
+    pairs = [m for t in turns for m in _pair(t)]
+    return [*pairs, {"role": "user", "content": message}]
 
 
 def _pair(turn: store.Turn) -> list[dict]:

@@ -73,11 +73,12 @@ def stream(
 ) -> Iterator[StepEvent | Finished]:
     """Decode a reply to `prompt_ids`, one event per step. Cancellation is checked between steps."""
     device = model.device
-    drafter = drafter or NoDrafter(device)
+    plain = NoDrafter(device)
+    drafter = drafter or plain
     eos = set(eos_ids)
     if not prompt_ids:
         raise UserError("The prompt is empty; type a message first.")
-    context = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+    context = context_length(model)
     if len(prompt_ids) >= context:
         raise UserError(
             f"The prompt is {len(prompt_ids)} tokens but the model reads at most {context}; "
@@ -126,6 +127,8 @@ def stream(
             step += 1
             prefix_len = kv.length(cache)
             draft = drafter.propose(hidden, root, history)
+            if prefix_len + draft.tree.max_depth >= context:  # the tree would need positions the model lacks
+                draft = plain.propose(hidden, root)
             drafting = time.perf_counter() - t0
             fwd = verify(model, cache, draft)
             result = accept(fwd, draft, settings, generator)
@@ -145,15 +148,21 @@ def stream(
     yield Finished(tuple(out), text, step, seconds, first_token_seconds, reason)
 
 
+def context_length(model: PreTrainedModel) -> int:
+    """How many positions the model reads (prompt and reply together)."""
+    return getattr(model.config.get_text_config(), "max_position_embeddings", None) or 1 << 30
+
+
 def _trim(tokens: list[int], out: list[int], eos: set[int], limit: int) -> tuple[list[int], str | None]:
-    """Cut a step's tokens at the first EOS (kept) or at the length limit."""
+    """Cut a step's tokens to the room left under `limit`, then at the first EOS (kept).
+
+    The room is applied first: a step that accepted a whole branch ending in EOS must not
+    overshoot the limit by emitting that EOS."""
+    tokens = tokens[: max(limit - len(out), 0)]
     for i, t in enumerate(tokens):
         if t in eos:
             return tokens[: i + 1], "eos"
-    room = limit - len(out)
-    if len(tokens) >= room:
-        return tokens[:room], "length"
-    return tokens, None
+    return tokens, "length" if len(out) + len(tokens) >= limit else None
 
 
 def _stopped(text: str, delta: str, stop: tuple[str, ...]) -> str | None:
