@@ -18,14 +18,14 @@ from typing import NoReturn
 
 import platformdirs
 
-from app.cli import bench, calibrate, catalog, generate, train_heads, ui
+from app.cli import bench, calibrate, catalog, generate, profile, train_heads, ui
 from core.errors import UserError
 
 log = logging.getLogger("medusa-chat")
 
 DEFAULT_COMMAND = "ui"
 MODULES = {
-    "ui": ui, "generate": generate, "bench": bench, "train-heads": train_heads,
+    "ui": ui, "generate": generate, "bench": bench, "profile": profile, "train-heads": train_heads,
     "calibrate": calibrate,
 }  # fmt: skip
 COMMANDS = (*MODULES, "models", "download")

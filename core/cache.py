@@ -20,6 +20,11 @@ def length(cache: DynamicCache) -> int:
     return cache.get_seq_length()
 
 
+def truncate(cache: DynamicCache, size: int) -> None:
+    """Drop every entry from position `size` on."""
+    cache.crop(size - length(cache))  # transformers takes the count to remove, as a negative number
+
+
 def keep_path(cache: DynamicCache, prefix_len: int, path: Tensor) -> None:
     """Keep entries [0, prefix_len) and the tree nodes `path` (indices relative to prefix_len)."""
     keep = path + prefix_len  # (A + 1,) ascending: parents precede children

@@ -245,7 +245,7 @@ def verify_latency(model, context: list[int], trees: dict[int, object], settings
                 draft = Draft(tokens, tree)
                 result = accept(verify(model, cache, draft), draft, settings, None)
                 commit(cache, past, result)
-                cache.crop(past - kv.length(cache))  # back to the context (a negative count)
+                kv.truncate(cache, past)  # back to the context
 
         out[size] = time_ms(step)
     return out

@@ -57,7 +57,8 @@ class Forward:
     hidden: Tensor  # (T, H) last hidden state (after the final norm) at each position
 
 
-def _project(model: PreTrainedModel, hidden: Tensor) -> Tensor:
+def project(model: PreTrainedModel, hidden: Tensor) -> Tensor:
+    """(T, H) last hidden states → (T, V) next-token logits (the lm_head, soft-capped where the model does)."""
     logits = model.get_output_embeddings()(hidden)
     cap = getattr(model.config, "final_logit_softcapping", None)
     return torch.tanh(logits / cap) * cap if cap else logits
@@ -67,7 +68,7 @@ def prefill(model: PreTrainedModel, cache: DynamicCache, ids: Tensor) -> Forward
     """Run the prompt (n,) into the cache; logits and hidden state of its last position."""
     out = model.base_model(input_ids=ids.view(1, -1), past_key_values=cache, use_cache=True)
     hidden = out.last_hidden_state[0, -1:]  # (1, H)
-    return Forward(_project(model, hidden), hidden)
+    return Forward(project(model, hidden), hidden)
 
 
 def verify(model: PreTrainedModel, cache: DynamicCache, draft: Draft) -> Forward:
@@ -85,7 +86,7 @@ def verify(model: PreTrainedModel, cache: DynamicCache, draft: Draft) -> Forward
         use_cache=True,
     )
     hidden = out.last_hidden_state[0]  # (T, H)
-    return Forward(_project(model, hidden), hidden)
+    return Forward(project(model, hidden), hidden)
 
 
 def accept(forward: Forward, draft: Draft, settings: DecodeSettings, generator: torch.Generator | None) -> Acceptance:
