@@ -36,6 +36,7 @@ class Run:
     steps: int
     seconds: float
     draft_seconds: float = 0.0  # time spent building trees (tree modes)
+    token_ids: tuple[int, ...] = ()  # the reply, to compare with the plain loop's
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class Summary:
     tokens_per_step: float
     step_ms: float  # mean wall time of one step
     draft_share: float = 0.0  # share of the time spent building trees (tree modes)
+    exact: int | None = None  # prompts whose reply equals the plain loop's token for token (None: no baseline run)
+    first_difference: float | None = None  # mean position of the first differing token, over the prompts that differ
 
 
 def check_modes(modes: Iterable[str]) -> tuple[str, ...]:
@@ -65,8 +68,8 @@ def run_once(
     drafters: dict[str, Drafter],
     eos_ids: tuple[int, ...],
     seed: int,
-) -> tuple[int, int, float, float]:
-    """(tokens, steps, seconds, seconds spent drafting) of one reply in one mode."""
+) -> tuple[int, int, float, float, tuple[int, ...]]:
+    """(tokens, steps, seconds, seconds spent drafting, the reply) of one reply in one mode."""
     if mode in (*TREE_MODES, "baseline"):
         generator = torch.Generator(model.device).manual_seed(seed)
         events, done = collect(
@@ -80,8 +83,10 @@ def run_once(
                 generator,
             )
         )
-        return len(done.token_ids), done.steps, done.seconds, sum(e.draft_seconds for e in events)
-    return (*_run_hf(mode, model, prompt_ids, settings, eos_ids, seed), 0.0)
+        drafting = sum(e.draft_seconds for e in events)
+        return len(done.token_ids), done.steps, done.seconds, drafting, done.token_ids
+    reply, steps, seconds = _run_hf(mode, model, prompt_ids, settings, eos_ids, seed)
+    return len(reply), steps, seconds, 0.0, reply
 
 
 def _run_hf(
@@ -91,7 +96,7 @@ def _run_hf(
     settings: DecodeSettings,
     eos_ids: tuple[int, ...],
     seed: int,
-) -> tuple[int, int, float]:
+) -> tuple[tuple[int, ...], int, float]:
     sampling = settings.temperature > 0
     options = {
         "max_new_tokens": settings.max_new_tokens,
@@ -115,7 +120,7 @@ def _run_hf(
         seconds = time.perf_counter() - start
     finally:
         hook.remove()
-    return out.shape[1] - len(prompt_ids), calls[0], seconds
+    return tuple(out[0, len(prompt_ids) :].tolist()), calls[0], seconds
 
 
 def run_bench(
@@ -142,16 +147,33 @@ def run_bench(
 
 
 def summarize(runs: list[Run]) -> dict[str, Summary]:
+    plain = {r.prompt: r.token_ids for r in runs if r.mode == "baseline"}
     out = {}
     for mode in dict.fromkeys(r.mode for r in runs):
         mine = [r for r in runs if r.mode == mode]
         tokens, steps = sum(r.tokens for r in mine), sum(r.steps for r in mine)
         seconds = sum(r.seconds for r in mine)
         drafting = sum(r.draft_seconds for r in mine)
+        exact, first = fidelity([(r.token_ids, plain[r.prompt]) for r in mine if r.prompt in plain])
         out[mode] = Summary(
-            tokens, steps, seconds, tokens / seconds, tokens / steps, 1000 * seconds / steps, drafting / seconds
-        )
+            tokens, steps, seconds, tokens / seconds, tokens / steps, 1000 * seconds / steps, drafting / seconds,
+            exact if plain else None, first,
+        )  # fmt: skip
     return out
+
+
+def fidelity(pairs: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[int, float | None]:
+    """How many replies equal their reference, and the mean index of the first differing token
+    over those that do not (a reply that stops early differs where it stops)."""
+    firsts = [first_difference(a, b) for a, b in pairs]
+    differ = [f for f in firsts if f is not None]
+    return len(firsts) - len(differ), (sum(differ) / len(differ) if differ else None)
+
+
+def first_difference(a: tuple[int, ...], b: tuple[int, ...]) -> int | None:
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def speedups(summary: dict[str, Summary], of: str = "medusa") -> dict[str, float]:
@@ -162,18 +184,21 @@ def speedups(summary: dict[str, Summary], of: str = "medusa") -> dict[str, float
     return {m: mine / s.tokens_per_second for m, s in summary.items() if m != of}
 
 
-def table(summary: dict[str, Summary]) -> str:
-    """One row per mode; the last columns give its speed relative to `hf` and `baseline`."""
+def table(summary: dict[str, Summary], prompts: int) -> str:
+    """One row per mode; then its speed relative to `hf` and `baseline`, how many of the
+    `prompts` replies equal the plain loop's token for token, and where the others first differ."""
     refs = [m for m in ("hf", "baseline") if m in summary]
     header = ["mode", "tokens", "steps", "tok/step", "step ms", "draft %", "seconds", "tok/s"]
-    header += [f"× {m}" for m in refs]
-    widths = [10, 8, 8, 10, 9, 9, 9, 8] + [11] * len(refs)
+    header += [f"× {m}" for m in refs] + ["= plain", "1st diff"]
+    widths = [10, 8, 8, 10, 9, 9, 9, 8] + [11] * len(refs) + [9, 9]
     cells = zip(header, widths, strict=True)
     lines = ["".join(f"{h:<{w}}" if i == 0 else f"{h:>{w}}" for i, (h, w) in enumerate(cells))]
     for mode, s in summary.items():
         ratios = "".join(f"{s.tokens_per_second / summary[m].tokens_per_second:>10.2f}×" for m in refs)
+        exact = "—" if s.exact is None else f"{s.exact}/{prompts}"
+        first = "—" if s.first_difference is None else f"{s.first_difference:.1f}"
         lines.append(
             f"{mode:<10}{s.tokens:>8}{s.steps:>8}{s.tokens_per_step:>10.2f}{s.step_ms:>9.1f}"
-            f"{100 * s.draft_share:>9.1f}{s.seconds:>9.1f}{s.tokens_per_second:>8.1f}{ratios}"
+            f"{100 * s.draft_share:>9.1f}{s.seconds:>9.1f}{s.tokens_per_second:>8.1f}{ratios}{exact:>9}{first:>9}"
         )
     return "\n".join(lines)

@@ -125,6 +125,8 @@ def test_bench_prints_every_mode(tmp_path, random_heads_dir):
         assert s["tokens_per_second"] == pytest.approx(s["tokens"] / s["seconds"])
         assert s["tokens_per_step"] == pytest.approx(s["tokens"] / s["steps"])
     assert report["summary"]["baseline"]["tokens_per_step"] == 1.0
+    assert report["summary"]["baseline"]["exact"] == 2 and report["summary"]["baseline"]["first_difference"] is None
+    assert all(0 <= report["summary"][m]["exact"] <= 2 for m in MODES)
     assert set(report["speedup"]) == {"lookup", "hybrid", "baseline", "hf", "hf-pld"}
     assert set(report["speedups"]) == {"medusa", "lookup", "hybrid"}
     assert len(report["runs"]) == 2 * len(MODES)

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
     runs = run_bench(encoded, modes, backbone.model, settings, drafters, backbone.eos_ids, args.seed, progress)
     summary = summarize(runs)
-    print(table(summary))
+    print(table(summary, len(prompts)))
     if args.json_out:
         report = {
             "model": args.model,
