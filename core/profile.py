@@ -10,6 +10,7 @@ these figures are only true there.
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from core.step import Draft, Drafter, Forward, NoDrafter, accept, commit, prefil
 from core.tree import TreeBuffers, build_tree, load_tree
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)  # nodes per verify forward, the root included
+KERNEL_LIMITS = (("oneDNN", "ONEDNN_MAX_CPU_ISA"), ("MKL", "MKL_ENABLE_INSTRUCTIONS"))
 SHAPE = "mc_sim_7b_63"  # trees of n nodes are the first n - 1 paths of this preset (parents come first)
 
 
@@ -58,8 +60,15 @@ def machine(device: torch.device) -> Machine:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         return Machine(_cpu_name(), _cpu_isa(), "cuda", torch.get_num_threads(), torch.__version__, name)
-    kernels = torch.backends.cpu.get_cpu_capability()
-    return Machine(_cpu_name(), _cpu_isa(), kernels, torch.get_num_threads(), torch.__version__, "cpu")
+    return Machine(_cpu_name(), _cpu_isa(), cpu_kernels(), torch.get_num_threads(), torch.__version__, "cpu")
+
+
+def cpu_kernels() -> str:
+    """The instruction set torch's kernels use here, with any limit set on oneDNN or MKL
+    (the three variables that make an AVX-512 CPU run as an AVX2-only one)."""
+    limits = [f"{lib} {os.environ[var]}" for lib, var in KERNEL_LIMITS if os.environ.get(var)]
+    aten = torch.backends.cpu.get_cpu_capability()
+    return f"{aten} ({', '.join(limits)})" if limits else aten
 
 
 def _cpu_flags() -> set[str]:

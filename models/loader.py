@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import platform
 import re
 import sys
 import time
@@ -23,6 +21,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from core.errors import UserError
+from core.profile import machine
 from models import catalog, hub
 from models.cpu import transpose_linears
 from models.embedded import EMBEDDED_ID, cache_dir, embedded_dir
@@ -169,12 +168,14 @@ def pick_dtype(name: str, device: torch.device, config: object | None = None) ->
 def _fastest_cpu_dtype(hidden: int, inner: int) -> str:
     """Time a decoder MLP matmul at 1 and 16 tokens in fp32 and bf16; cached per machine."""
     record = cache_dir() / "cpu-dtype.json"
-    key = f"{platform.processor() or platform.machine()}|{os.cpu_count()}|{torch.__version__}|{hidden}x{inner}"
+    key = f"{machine(torch.device('cpu')).key}|{hidden}x{inner}"  # kernels and threads included
     try:
         known = json.loads(record.read_text())
     except (OSError, ValueError):
         known = {}
-    if key in known:
+    if not isinstance(known, dict):  # a damaged record is measured again
+        known = {}
+    if known.get(key) in ("float32", "bfloat16"):
         return known[key]
     seconds = {}
     for dtype in ("float32", "bfloat16"):
