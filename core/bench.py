@@ -3,7 +3,8 @@
 Modes run interleaved prompt by prompt, so slow drift of the machine (heat, other load) hits
 them alike. `medusa`, `lookup` and `hybrid` are our tree loop with that drafter, `baseline`
 our plain loop; `hf` is transformers
-`generate` with the same sampling settings and `hf-pld` its prompt-lookup decoding. A "step"
+`generate` with the same sampling settings and `hf-pld` its prompt-lookup decoding; `llamacpp`
+is llama.cpp on the same GGUF file (through a function the caller passes in). A "step"
 is one forward of the backbone (counted with a hook for the transformers modes), the prefill
 included, so tokens per step is the paper's acceleration rate and plain decoding gives 1.0.
 """
@@ -24,7 +25,9 @@ from core.step import Drafter
 from core.tree import DRAFTERS
 
 TREE_MODES = DRAFTERS  # our tree loop, named by its drafter
-MODES = (*TREE_MODES, "baseline", "hf", "hf-pld")
+PEERS = ("llamacpp",)  # other engines, run through a function the caller supplies
+MODES = (*TREE_MODES, "baseline", "hf", "hf-pld", *PEERS)
+Peer = Callable[[list[int], DecodeSettings, tuple[int, ...]], tuple[tuple[int, ...], float]]  # → (reply, seconds)
 PLD_TOKENS = 10  # prompt-lookup draft length, the value transformers documents
 
 
@@ -68,8 +71,12 @@ def run_once(
     drafters: dict[str, Drafter],
     eos_ids: tuple[int, ...],
     seed: int,
+    peers: dict[str, Peer] | None = None,
 ) -> tuple[int, int, float, float, tuple[int, ...]]:
     """(tokens, steps, seconds, seconds spent drafting, the reply) of one reply in one mode."""
+    if mode in PEERS:  # one token per forward
+        reply, seconds = (peers or {})[mode](prompt_ids, settings, eos_ids)
+        return len(reply), len(reply), seconds, 0.0, reply
     if mode in (*TREE_MODES, "baseline"):
         generator = torch.Generator(model.device).manual_seed(seed)
         events, done = collect(
@@ -132,15 +139,16 @@ def run_bench(
     eos_ids: tuple[int, ...],
     seed: int = 0,
     progress: Callable[[Run], None] = lambda run: None,
+    peers: dict[str, Peer] | None = None,
 ) -> list[Run]:
     """Warm every mode up, then run each prompt through every mode in turn."""
     warm = DecodeSettings(**{**asdict(settings), "max_new_tokens": 8})
     for mode in modes:
-        run_once(mode, model, prompts[0], warm, drafters, eos_ids, seed)
+        run_once(mode, model, prompts[0], warm, drafters, eos_ids, seed, peers)
     runs = []
     for i, ids in enumerate(prompts):
         for mode in modes:
-            run = Run(mode, i, *run_once(mode, model, ids, settings, drafters, eos_ids, seed + i))
+            run = Run(mode, i, *run_once(mode, model, ids, settings, drafters, eos_ids, seed + i, peers))
             progress(run)
             runs.append(run)
     return runs

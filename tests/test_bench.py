@@ -32,3 +32,22 @@ def test_summary_compares_every_mode_with_the_plain_loop():
     assert rows[0].split()[-3:] == ["plain", "1st", "diff"] and rows[2].split()[-2:] == ["1/2", "1.0"]
     alone = summarize([r for r in runs if r.mode == "medusa"])  # no plain loop to compare with
     assert alone["medusa"].exact is None and table(alone, 2).splitlines()[1].split()[-2:] == ["—", "—"]
+
+
+def test_a_peer_engine_runs_through_the_bench_with_one_token_per_step():
+    from core.bench import run_bench
+    from core.settings import DecodeSettings
+    from tests.helpers import tiny_model
+
+    asked = []
+
+    def peer(prompt_ids, settings, eos_ids):
+        asked.append((tuple(prompt_ids), settings.max_new_tokens))
+        return (5, 6, 7), 0.25
+
+    prompts = [[1, 2, 3], [4, 5]]
+    runs = run_bench(prompts, ("baseline", "llamacpp"), tiny_model(), DecodeSettings(max_new_tokens=3), {}, (), 0,
+                     peers={"llamacpp": peer})  # fmt: skip
+    mine = [r for r in runs if r.mode == "llamacpp"]
+    assert [(r.tokens, r.steps, r.seconds, r.token_ids) for r in mine] == [(3, 3, 0.25, (5, 6, 7))] * 2
+    assert asked == [((1, 2, 3), 8), ((1, 2, 3), 3), ((4, 5), 3)]  # a warm-up, then each prompt

@@ -172,3 +172,17 @@ def test_bad_input_gives_one_sentence_and_a_nonzero_exit(tmp_path, random_heads_
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and expected in errors[0], (name, result.stderr)
         assert "Traceback" not in result.stderr, name
+
+
+def test_bench_llamacpp_runs_or_says_in_one_sentence_why_not(tmp_path):
+    import importlib.util
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPTS[0]}))
+    result = cli("bench", "--prompts", str(prompts), "--max-new-tokens", "8", "--modes", "baseline,llamacpp")
+    assert result.returncode == 0, result.stderr
+    rows = [line.split()[0] for line in result.stdout.splitlines()[1:]]
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert rows == ["baseline"] and "llama.cpp is not installed" in result.stderr
+    else:
+        assert rows == ["baseline", "llamacpp"]

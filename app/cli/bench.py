@@ -9,6 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from app.cli.options import decoding_options, read_prompts, setup
+from core.errors import UserError
 
 HELP = "compare decoding modes on a prompt file (the table on stdout)"
 
@@ -18,7 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--modes",
         help="comma-separated: medusa, lookup, hybrid (tree decoding with that drafter), baseline (our plain "
-        "loop), hf, hf-pld (transformers generate, plain and prompt lookup); default: drafter,baseline,hf,hf-pld",
+        "loop), hf, hf-pld (transformers generate, plain and prompt lookup), llamacpp (llama.cpp on the same GGUF, "
+        "if installed); default: drafter,baseline,hf,hf-pld",
     )
     p.add_argument("--system", help="system prompt for every prompt")
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the results here")
@@ -39,6 +41,10 @@ def run(args: argparse.Namespace) -> int:
     settings, backbone, drafters, preset = setup(args, tuple(m for m in modes if m in TREE_MODES) or None)
     if "default" in modes:  # the model's own drafter
         modes = (next(iter(drafters)), *modes[1:])
+    peers = {}
+    if "llamacpp" in modes:
+        peers["llamacpp"] = _llamacpp(args.model)
+        modes = tuple(m for m in modes if m != "llamacpp" or peers["llamacpp"])
     encoded = [backbone.encode_chat(p, args.system) for p in prompts]
     print(
         f"bench: {len(prompts)} prompts × {', '.join(modes)} on {args.model} ({backbone.model.dtype})",
@@ -52,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
 
-    runs = run_bench(encoded, modes, backbone.model, settings, drafters, backbone.eos_ids, args.seed, progress)
+    runs = run_bench(encoded, modes, backbone.model, settings, drafters, backbone.eos_ids, args.seed, progress, peers)
     summary = summarize(runs)
     print(table(summary, len(prompts)))
     if args.json_out:
@@ -70,3 +76,15 @@ def run(args: argparse.Namespace) -> int:
         }
         Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     return 0
+
+
+def _llamacpp(model: str):
+    """llama.cpp on the embedded model's GGUF, on as many threads as torch uses; None if missing."""
+    import torch
+
+    from models import llamacpp
+    from models.embedded import EMBEDDED_ID, embedded_gguf
+
+    if model != EMBEDDED_ID:
+        raise UserError(f"The llamacpp mode runs the embedded model's GGUF file; use --model {EMBEDDED_ID}.")
+    return llamacpp.load(embedded_gguf(), torch.get_num_threads())
