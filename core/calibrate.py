@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,6 +26,7 @@ from torch import Tensor
 
 from core import cache as kv
 from core.lookup import NgramIndex
+from core.profile import time_ms
 from core.step import Draft, accept, commit, prefill, verify
 
 # -- 1) positions -----------------------------------------------------------------------------
@@ -216,18 +216,6 @@ def head_candidates(model, heads, ids: list[int], start: int, top: int) -> Tenso
         out = model.base_model(input_ids=torch.tensor([ids], device=model.device))
         hidden = out.last_hidden_state[0, start - 1 : len(ids) - 1]  # the state that chose each root
         return heads.candidates(hidden, heads.num_heads, top).cpu()
-
-
-def time_ms(fn: Callable[[], object], repeats: int = 7) -> float:
-    """Median wall time of `fn` in ms, after two warm-up calls."""
-    fn()
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000 * sorted(times)[len(times) // 2]
 
 
 def verify_latency(model, context: list[int], trees: dict[int, object], settings) -> dict[int, float]:
