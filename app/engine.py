@@ -74,7 +74,9 @@ class Engine:
         b = self.loaded.backbone
         heads = "trained heads" if self.loaded.trained else "untrained heads (few drafts accepted)"
         dtype = str(b.model.dtype).removeprefix("torch.")
-        return f"**Ready:** {self.model_id} · {dtype} on {b.model.device.type} · {heads}"
+        # a many-token verify forward rounds differently from a one-token one below float32
+        exact = "" if b.model.dtype == torch.float32 else f" · lossless is exact up to {dtype} rounding"
+        return f"**Ready:** {self.model_id} · {dtype} on {b.model.device.type} · {heads}{exact}"
 
     def require(self) -> Loaded:
         if self.loaded is None:

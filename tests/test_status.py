@@ -1,0 +1,17 @@
+"""What the chat's status line tells the user about the loaded model."""
+
+from __future__ import annotations
+
+import torch
+
+
+def test_the_status_says_when_lossless_is_exact_only_up_to_rounding():
+    from types import SimpleNamespace
+
+    from app.engine import Engine, Loaded
+
+    engine = Engine("tiny")
+    for dtype, said in ((torch.float32, False), (torch.bfloat16, True)):
+        backbone = SimpleNamespace(model=SimpleNamespace(dtype=dtype, device=torch.device("cpu")))
+        engine.loaded = Loaded(backbone, None, True, "cpu-8")
+        assert ("exact up to bfloat16 rounding" in engine.status()) is said
