@@ -10,6 +10,7 @@ these figures are only true there.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import time
@@ -21,7 +22,19 @@ import torch
 
 from core import cache as kv
 from core.settings import DecodeSettings
-from core.step import Draft, Drafter, Forward, NoDrafter, accept, commit, prefill, project
+from core.step import (
+    Draft,
+    Drafter,
+    Forward,
+    NoDrafter,
+    accept,
+    commit,
+    decoder_layers,
+    prefill,
+    project,
+    tree_mask,
+    verify,
+)
 from core.tree import TreeBuffers, build_tree, load_tree
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)  # nodes per verify forward, the root included
@@ -71,26 +84,27 @@ def cpu_kernels() -> str:
     return f"{aten} ({', '.join(limits)})" if limits else aten
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (empty where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+        return {}
+    fields = (line.partition(":") for line in text.split("\n\n")[0].splitlines())
+    return {k.strip(): v.strip() for k, _, v in fields}
+
+
+def cpu_flags() -> set[str]:
+    return set(_cpuinfo().get("flags", "").split())
 
 
 def _cpu_name() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    line = next((ln for ln in text.splitlines() if ln.startswith("model name")), "")
-    return line.partition(":")[2].strip() or platform.machine()
+    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
 
 
 def _cpu_isa() -> str:
-    flags = _cpu_flags()
+    flags = cpu_flags()
     for name, flag in (("AMX", "amx_bf16"), ("AVX512-BF16", "avx512_bf16"), ("AVX-512", "avx512f"), ("AVX2", "avx2")):
         if flag in flags:
             return name
@@ -150,10 +164,7 @@ def step_costs(
                 d = drafter.propose(hidden, root, context) if drafter else draft
                 if d.tree.size != draft.tree.size:  # a drafter may graft more nodes: keep the size
                     d = draft
-                mask = None if d.tree.size == 1 else d.tree.attention_mask(past, model.dtype)
-                layers = _layers(model, cache, past, d, mask)
-                result = accept(Forward(project(model, layers), layers), d, settings, None)
-                commit(cache, past, result)
+                commit(cache, past, accept(verify(model, cache, d), d, settings, None))
                 kv.truncate(cache, past)
 
         draft_ms = time_ms(lambda d=drafter: d.propose(hidden, root, context), repeats, sync) if drafter else 0.0
@@ -161,38 +172,27 @@ def step_costs(
     return out
 
 
-def _layers(model, cache, past: int, draft: Draft, mask):
-    out = model.base_model(
-        input_ids=draft.tokens.view(1, -1),
-        attention_mask=mask,
-        position_ids=(draft.tree.depth + past).view(1, -1),
-        past_key_values=cache,
-        use_cache=True,
-    )
-    return out.last_hidden_state[0]
-
-
 def _parts(model, cache, past: int, draft: Draft, settings: DecodeSettings, repeats: int, sync) -> dict[str, float]:
     """Each part of verify → accept → commit timed alone (the cache is cut back after each)."""
     tree = draft.tree
     with torch.inference_mode():
-        mask = None if tree.size == 1 else tree.attention_mask(past, model.dtype)
-        hidden = _layers(model, cache, past, draft, mask)
+        mask = tree_mask(model, draft, past)
+        hidden = decoder_layers(model, cache, draft, mask, past)
         kv.truncate(cache, past)
         fwd = Forward(project(model, hidden), hidden)
         result = accept(fwd, draft, settings, None)
 
         def layers() -> None:
-            _layers(model, cache, past, draft, mask)
+            decoder_layers(model, cache, draft, mask, past)
             kv.truncate(cache, past)
 
         def commit_only() -> None:
-            _layers(model, cache, past, draft, mask)
+            decoder_layers(model, cache, draft, mask, past)
             commit(cache, past, result)
             kv.truncate(cache, past)
 
         timed = {
-            "mask_ms": time_ms(lambda: tree.attention_mask(past, model.dtype), repeats) if tree.size > 1 else 0.0,
+            "mask_ms": time_ms(lambda: tree_mask(model, draft, past), repeats) if tree.size > 1 else 0.0,
             "layers_ms": time_ms(layers, repeats, sync),
             "lm_head_ms": time_ms(lambda: project(model, hidden), repeats, sync),
             "accept_ms": time_ms(lambda: accept(fwd, draft, settings, None), repeats, sync),

@@ -74,19 +74,27 @@ def prefill(model: PreTrainedModel, cache: DynamicCache, ids: Tensor) -> Forward
 def verify(model: PreTrainedModel, cache: DynamicCache, draft: Draft) -> Forward:
     """One forward over every tree node on top of the committed prefix in `cache`."""
     past = kv.length(cache)
-    tree = draft.tree
-    positions = (tree.depth + past).view(1, -1)
-    # A chain of one token needs no mask: plain causal attention is the same and faster.
-    mask = None if tree.size == 1 else tree.attention_mask(past, model.dtype)
+    hidden = decoder_layers(model, cache, draft, tree_mask(model, draft, past), past)
+    return Forward(project(model, hidden), hidden)
+
+
+def tree_mask(model: PreTrainedModel, draft: Draft, past: int) -> Tensor | None:
+    """The 4D tree mask after `past` cached positions; None for a lone root, where plain causal
+    attention is the same and faster."""
+    return None if draft.tree.size == 1 else draft.tree.attention_mask(past, model.dtype)
+
+
+def decoder_layers(model: PreTrainedModel, cache: DynamicCache, draft: Draft, mask: Tensor | None, past: int) -> Tensor:
+    """(T, H) last hidden states of the tree nodes (embedding, decoder layers, final norm),
+    at positions prefix length + depth; the nodes are appended to `cache`."""
     out = model.base_model(
         input_ids=draft.tokens.view(1, -1),
         attention_mask=mask,
-        position_ids=positions,
+        position_ids=(draft.tree.depth + past).view(1, -1),
         past_key_values=cache,
         use_cache=True,
     )
-    hidden = out.last_hidden_state[0]  # (T, H)
-    return Forward(project(model, hidden), hidden)
+    return out.last_hidden_state[0]
 
 
 def accept(forward: Forward, draft: Draft, settings: DecodeSettings, generator: torch.Generator | None) -> Acceptance:

@@ -13,7 +13,6 @@ import re
 import sys
 import time
 from dataclasses import dataclass
-from functools import cache
 from importlib import resources
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from core.errors import UserError
-from core.profile import machine
+from core.profile import cpu_flags, machine
 from models import catalog, hub
 from models.cpu import transpose_linears
 from models.embedded import EMBEDDED_ID, cache_dir, embedded_dir
@@ -139,13 +138,8 @@ def pick_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
-@cache
 def _cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def pick_dtype(name: str, device: torch.device, config: object | None = None) -> torch.dtype:

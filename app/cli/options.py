@@ -12,18 +12,16 @@ from core.errors import UserError
 from core.settings import ACCEPTANCE_RULES, DecodeSettings
 from core.tree import DRAFTERS
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("auto", "none", "nf4", "int8")
-
 
 def model_options(p: argparse.ArgumentParser, heads: bool = True) -> None:
     """Which model (and heads) to load, and how: shared by every command that loads one."""
     from models.embedded import EMBEDDED_ID
+    from models.loader import DTYPES, QUANTIZATIONS
 
     p.add_argument("--model", default=EMBEDDED_ID, help="catalog id, hub repo id or model folder")
     if heads:
         p.add_argument("--heads", help="Medusa heads: a folder or a hub repo id (default: the model's own)")
-    p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: measured on this machine")
+    p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES), help="auto: measured on this machine")
     p.add_argument("--device", default="auto", type=device_name, help="auto, cpu, cuda or cuda:N")
     p.add_argument(
         "--quantization", default="auto", choices=QUANTIZATIONS, help="auto: 4-bit nf4 on a GPU, none on a CPU"
