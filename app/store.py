@@ -28,11 +28,11 @@ from pathlib import Path
 import platformdirs
 
 from core.errors import UserError
+from core.tree import DRAFT_SOURCES
 
 log = logging.getLogger("medusa-chat")
 
 ID = re.compile(r"[0-9a-f]{12}")  # what Chat.new makes; nothing else may name a chat file
-DRAFT_SOURCES = ("heads", "context", "both")  # where accepted drafts came from
 SOURCES = (*DRAFT_SOURCES, "")  # a step's source; "" when it accepted no draft
 TITLE_CHARS = 80  # longest title kept by a rename
 EXPORT_NAME_BYTES = 120  # file systems cap a name at 255 bytes (not characters); leave room

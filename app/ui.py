@@ -21,7 +21,7 @@ from app.render import LEGEND, depth_rates, reply_html, stats_html, step_source,
 from core.errors import UserError
 from core.generate import Finished, StepEvent
 from core.settings import DecodeSettings
-from core.tree import preset_names
+from core.tree import DRAFT_SOURCES, preset_names
 from models import catalog
 
 log = logging.getLogger("medusa-chat")
@@ -197,7 +197,7 @@ def build(engine: Engine) -> gr.Blocks:
             s.stop.clear()
             s.events, s.max_depth, s.prompt = [], depth, fitted.ids
             events = engine.generate(fitted.ids, settings, kind, tree_name, s.stop.is_set)
-            sources = {"heads": 0, "context": 0, "both": 0}
+            sources = dict.fromkeys(DRAFT_SOURCES, 0)
             for e in events:
                 if isinstance(e, Finished):
                     turn.assistant, turn.finished = e.text, e.finish_reason != "cancelled"

@@ -24,6 +24,7 @@ Path_ = tuple[int, ...]
 
 
 SOURCES = ("root", "heads", "context", "both")  # where a node's token came from
+DRAFT_SOURCES = SOURCES[1:]  # where an accepted drafted token came from
 DRAFTERS = ("medusa", "lookup", "hybrid")  # heads only, context only, both in one tree
 ROOT, HEADS, CONTEXT, BOTH = range(4)
 
