@@ -1,32 +1,45 @@
-"""The KV cache contract: transformers' DynamicCache, plus keeping only an accepted path.
+"""The KV cache contract: keeping only an accepted path, whichever cache a model decodes with.
 
-After a verify forward the cache holds the committed prefix followed by every tree node. The
-accepted nodes are moved down to sit right after the prefix, and the rest is cut off, so the
-cache afterwards is exactly the cache of a plain run over the same tokens.
+A model served by `core.fast` decodes with its pre-allocated `StaticKV`; any other with
+transformers' DynamicCache. After a verify forward the cache holds the committed prefix
+followed by every tree node. The accepted nodes are moved down to sit right after the prefix,
+and the rest is cut off, so the cache afterwards is exactly the cache of a plain run over the
+same tokens.
 """
 
 from __future__ import annotations
 
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import DynamicCache
 
+from core import fast
 
-def new_cache() -> DynamicCache:
-    """A cache of full-attention layers (filled lazily by the first forward)."""
-    return DynamicCache()
+Cache = DynamicCache | fast.StaticKV
 
 
-def length(cache: DynamicCache) -> int:
+def new_cache(model: nn.Module | None = None) -> Cache:
+    """The model's fast cache when it has a fast forward, else a DynamicCache (filled lazily)."""
+    forward = fast.forward_of(model) if model is not None else None
+    return forward.new_cache() if forward is not None else DynamicCache()
+
+
+def length(cache: Cache) -> int:
     return cache.get_seq_length()
 
 
-def truncate(cache: DynamicCache, size: int) -> None:
+def truncate(cache: Cache, size: int) -> None:
     """Drop every entry from position `size` on."""
-    cache.crop(size - length(cache))  # transformers takes the count to remove, as a negative number
+    if isinstance(cache, fast.StaticKV):
+        cache.truncate(size)
+    else:
+        cache.crop(size - length(cache))  # transformers takes the count to remove, as a negative number
 
 
-def keep_path(cache: DynamicCache, prefix_len: int, path: Tensor) -> None:
+def keep_path(cache: Cache, prefix_len: int, path: Tensor) -> None:
     """Keep entries [0, prefix_len) and the tree nodes `path` (indices relative to prefix_len)."""
+    if isinstance(cache, fast.StaticKV):
+        cache.keep_path(prefix_len, path)
+        return
     keep = path + prefix_len  # (A + 1,) ascending: parents precede children
     end = prefix_len + path.numel()
     for layer in cache.layers:

@@ -220,7 +220,7 @@ def head_candidates(model, heads, ids: list[int], start: int, top: int) -> Tenso
 
 def verify_latency(model, context: list[int], trees: dict[int, object], settings) -> dict[int, float]:
     """Verify + accept + cache commit time (ms) of one step, by tree size, after `context`."""
-    cache = kv.new_cache()
+    cache = kv.new_cache(model)
     with torch.inference_mode():
         prefill(model, cache, torch.tensor(context, device=model.device))
     past = kv.length(cache)

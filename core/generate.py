@@ -88,7 +88,7 @@ def stream(
     detok = Detokenizer(tokenizer)
     out: list[int] = []
     start = time.perf_counter()
-    cache = kv.new_cache()
+    cache = kv.new_cache(model)
 
     def event(
         step: int, new: list[int], accepted: int, path: Tensor, draft: Draft | None, t0: float, drafting: float = 0.0

@@ -145,7 +145,7 @@ def step_costs(
     device = model.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     settings = DecodeSettings()
-    cache = kv.new_cache()
+    cache = kv.new_cache(model)
     with torch.inference_mode():
         fwd = prefill(model, cache, torch.tensor(context, device=device))
     past = kv.length(cache)

@@ -13,9 +13,10 @@ from typing import Protocol
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from core import cache as kv
+from core import fast
 from core.acceptance import Acceptance, accept_greedy, accept_sampling, accept_typical
 from core.sampling import probabilities
 from core.settings import DecodeSettings
@@ -64,14 +65,19 @@ def project(model: PreTrainedModel, hidden: Tensor) -> Tensor:
     return torch.tanh(logits / cap) * cap if cap else logits
 
 
-def prefill(model: PreTrainedModel, cache: DynamicCache, ids: Tensor) -> Forward:
+def prefill(model: PreTrainedModel, cache: kv.Cache, ids: Tensor) -> Forward:
     """Run the prompt (n,) into the cache; logits and hidden state of its last position."""
-    out = model.base_model(input_ids=ids.view(1, -1), past_key_values=cache, use_cache=True)
-    hidden = out.last_hidden_state[0, -1:]  # (1, H)
+    if isinstance(cache, fast.StaticKV):
+        past = cache.length
+        hidden = fast.forward_of(model)(ids, torch.arange(past, past + ids.numel(), device=ids.device), None, cache)
+        hidden = hidden[-1:]
+    else:
+        out = model.base_model(input_ids=ids.view(1, -1), past_key_values=cache, use_cache=True)
+        hidden = out.last_hidden_state[0, -1:]  # (1, H)
     return Forward(project(model, hidden), hidden)
 
 
-def verify(model: PreTrainedModel, cache: DynamicCache, draft: Draft) -> Forward:
+def verify(model: PreTrainedModel, cache: kv.Cache, draft: Draft) -> Forward:
     """One forward over every tree node on top of the committed prefix in `cache`."""
     past = kv.length(cache)
     hidden = decoder_layers(model, cache, draft, tree_mask(model, draft, past), past)
@@ -84,9 +90,11 @@ def tree_mask(model: PreTrainedModel, draft: Draft, past: int) -> Tensor | None:
     return None if draft.tree.size == 1 else draft.tree.attention_mask(past, model.dtype)
 
 
-def decoder_layers(model: PreTrainedModel, cache: DynamicCache, draft: Draft, mask: Tensor | None, past: int) -> Tensor:
+def decoder_layers(model: PreTrainedModel, cache: kv.Cache, draft: Draft, mask: Tensor | None, past: int) -> Tensor:
     """(T, H) last hidden states of the tree nodes (embedding, decoder layers, final norm),
     at positions prefix length + depth; the nodes are appended to `cache`."""
+    if isinstance(cache, fast.StaticKV):
+        return fast.forward_of(model)(draft.tokens, draft.tree.depth + past, mask, cache)
     out = model.base_model(
         input_ids=draft.tokens.view(1, -1),
         attention_mask=mask,
@@ -125,6 +133,6 @@ def first_token(forward: Forward, settings: DecodeSettings, generator: torch.Gen
     return accept(forward, root_only, settings, generator).next_token
 
 
-def commit(cache: DynamicCache, prefix_len: int, result: Acceptance) -> None:
+def commit(cache: kv.Cache, prefix_len: int, result: Acceptance) -> None:
     """Keep only the accepted path's entries after the prefix."""
     kv.keep_path(cache, prefix_len, result.path)

@@ -7,11 +7,8 @@ how much memory it will take; `heads_for` finds the heads to draft with.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import re
 import sys
-import time
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -19,15 +16,16 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from core import fast
 from core.errors import UserError
-from core.profile import cpu_flags, machine
+from core.tune import kernels
 from models import catalog, hub
 from models.cpu import transpose_linears
 from models.embedded import EMBEDDED_ID, cache_dir, embedded_dir
 from models.heads import MedusaHeads, load_heads
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-QUANTIZATIONS = ("auto", "none", "nf4", "int8")
+QUANTIZATIONS = ("auto", "none", "nf4", "int8", "int4")  # int4: weight-only, CPU, Llama-family
 BACKBONE_FILES = ["*.json", "*.safetensors", "*.bin", "tokenizer.model", "*.txt"]
 HEAD_FILES = ["config.json", "medusa_lm_head.safetensors", "medusa_lm_head.pt"]
 
@@ -138,56 +136,23 @@ def pick_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
-def _cpu_has_bf16() -> bool:
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
-
-
 def pick_dtype(name: str, device: torch.device, config: object | None = None) -> torch.dtype:
     """`auto`: the fastest dtype here. On a GPU bf16 (fp16 where bf16 is emulated); on a CPU
-    with native bf16 (AVX512-BF16 or AMX), whichever of bf16 and fp32 runs the model's matmul
-    shapes faster, timed once and remembered; on other CPUs fp32."""
+    the dtype of the fastest kernel measured on this machine (`core.tune.kernels`)."""
     if name != "auto":
         if name not in DTYPES:
             raise UserError(f"Unknown dtype '{name}'; choose auto, {', '.join(DTYPES)}.")
         return DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if not _cpu_has_bf16():
-        return torch.float32
+    return DTYPES[cpu_choice(config, None, False).dtype]
+
+
+def cpu_choice(config: object | None, dtype: str | None, int4: bool) -> kernels.Choice:
+    """The dtype and matmul kernels to run `config`'s model with on this CPU (measured once)."""
     hidden = getattr(config, "hidden_size", 1024)
     inner = getattr(config, "intermediate_size", 4 * hidden)
-    return DTYPES[_fastest_cpu_dtype(hidden, inner)]
-
-
-def _fastest_cpu_dtype(hidden: int, inner: int) -> str:
-    """Time a decoder MLP matmul at 1 and 16 tokens in fp32 and bf16; cached per machine."""
-    record = cache_dir() / "cpu-dtype.json"
-    key = f"{machine(torch.device('cpu')).key}|{hidden}x{inner}"  # kernels and threads included
-    try:
-        known = json.loads(record.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if not isinstance(known, dict):  # a damaged record is measured again
-        known = {}
-    if known.get(key) in ("float32", "bfloat16"):
-        return known[key]
-    seconds = {}
-    for dtype in ("float32", "bfloat16"):
-        w = torch.randn(inner, hidden, dtype=DTYPES[dtype])
-        xs = [torch.randn(m, hidden, dtype=DTYPES[dtype]) for m in (1, 16)]
-        for x in xs:  # warm-up
-            torch.nn.functional.linear(x, w)
-        start = time.perf_counter()
-        for _ in range(30):
-            for x in xs:
-                torch.nn.functional.linear(x, w)
-        seconds[dtype] = time.perf_counter() - start
-    best = min(seconds, key=seconds.get)
-    known[key] = best
-    with contextlib.suppress(OSError):
-        record.parent.mkdir(parents=True, exist_ok=True)
-        record.write_text(json.dumps(known, indent=1))
-    return best
+    return kernels.choose(hidden, inner, dtype, int4, cache_dir() / "cpu-kernels.json")
 
 
 def estimate_gb(config: object, dtype: torch.dtype, quantization: str) -> float:
@@ -197,7 +162,7 @@ def estimate_gb(config: object, dtype: torch.dtype, quantization: str) -> float:
     output = meta.get_output_embeddings()
     linear = sum(m.weight.numel() for m in meta.modules() if isinstance(m, torch.nn.Linear) and m is not output)
     total = sum(p.numel() for p in meta.parameters())
-    width = {"nf4": 0.53, "int8": 1.0}.get(quantization, torch.finfo(dtype).bits / 8)
+    width = {"nf4": 0.53, "int8": 1.0, "int4": 0.56}.get(quantization, torch.finfo(dtype).bits / 8)
     return (linear * width + (total - linear) * torch.finfo(dtype).bits / 8) / 2**30
 
 
@@ -215,14 +180,23 @@ def load_backbone(
         config = AutoConfig.from_pretrained(spec.folder)
     except (OSError, ValueError) as e:
         raise UserError(f"The model in {spec.folder} has an unreadable config.json ({e}).") from e
-    torch_dtype = pick_dtype(dtype, dev, config.get_text_config())
     quant = _pick_quantization(quantization, dev, config)
+    if dtype != "auto":
+        pick_dtype(dtype, dev)  # an unknown name is refused before anything loads
+    choice = None
+    if dev.type == "cpu" and quant in ("none", "int4") and fast.servable(config):
+        choice = cpu_choice(config.get_text_config(), None if dtype == "auto" else dtype, quant == "int4")
+        torch_dtype = kernels.DTYPES[choice.dtype]
+    elif quant == "int4":
+        raise UserError(f"--quantization int4 runs Llama-family models only, not {config.model_type}; use none.")
+    else:
+        torch_dtype = pick_dtype(dtype, dev, config.get_text_config())
     options = {"dtype": torch_dtype}
     if quant in ("nf4", "int8"):
         options["quantization_config"] = _bnb_config(quant, torch_dtype)
     if quant != "pre-quantized":
-        label = (
-            "4-bit nf4" if quant == "nf4" else "8-bit" if quant == "int8" else str(torch_dtype).removeprefix("torch.")
+        label = {"nf4": "4-bit nf4", "int8": "8-bit", "int4": "4-bit int4"}.get(
+            quant, str(torch_dtype).removeprefix("torch.")
         )
         print(
             f"Loading {spec.name} ({label}): about {estimate_gb(config, torch_dtype, quant):.1f} GB of memory.",
@@ -237,7 +211,9 @@ def load_backbone(
     except (OSError, ValueError, ImportError) as e:
         raise UserError(f"Could not load the model in {spec.folder} ({e}).") from e
     _check_attention(model)
-    if model.device.type == "cpu" and model.dtype == torch.float32:
+    if choice is not None:  # the lean forward with the kernels measured on this machine
+        fast.accelerate(model, choice.kernel, choice.head_kernel)
+    elif model.device.type == "cpu" and model.dtype == torch.float32 and quant == "none":
         transpose_linears(model)  # bf16 is the other way round: transposed weights are far slower
     return Backbone(spec.name, model, tokenizer, _eos_ids(model, tokenizer), spec.chat_template)
 
@@ -249,6 +225,8 @@ def _pick_quantization(name: str, device: torch.device, config: object) -> str:
         return "pre-quantized"  # the repo is already quantized (bitsandbytes and the like)
     if name == "auto":
         return "nf4" if device.type == "cuda" else "none"
+    if name == "int4" and device.type != "cpu":
+        raise UserError("--quantization int4 is for the CPU; on a GPU use nf4.")
     if name in ("nf4", "int8") and device.type == "cpu":
         print(
             f"warning: {name} on the CPU uses bitsandbytes' approximate kernel: tree and plain decoding may "

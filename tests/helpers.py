@@ -8,15 +8,31 @@ import torch
 from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from core import fast
 from core.generate import collect, stream
 from core.settings import DecodeSettings
 from core.step import Draft
 from core.tree import TreeBuffers
 
-ARCHS = ("llama", "qwen2")
+BASE_ARCHS = ("llama", "qwen2")
+FAST_KERNELS = tuple(k for k in ("dense", "onednn") if fast.kernel_works(k, torch.float32))
+# "arch+kernel": the model served by core.fast's lean forward with that kernel (fp32)
+ARCHS = (*BASE_ARCHS, *(f"{a}+{k}" for a in BASE_ARCHS for k in FAST_KERNELS))
 
 
 def tiny_model(arch: str = "llama", vocab: int = 96, seed: int = 0):
+    """A random model of `arch`; "llama+onednn" and the like: accelerated by core.fast with that
+    kernel ("+int4" runs in bf16)."""
+    arch, _, kernel = arch.partition("+")
+    model = _tiny(arch, vocab, seed)
+    if kernel:
+        if kernel == "int4":
+            model = model.to(torch.bfloat16)
+        fast.accelerate(model, kernel, "dense" if kernel == "int4" else kernel)
+    return model
+
+
+def _tiny(arch: str, vocab: int, seed: int):
     torch.manual_seed(seed)
     common = dict(
         vocab_size=vocab,

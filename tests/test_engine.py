@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from core import cache as kv
+from core import fast
 from core.drafters import MedusaDrafter
 from core.generate import Finished, StepEvent, collect, stream
 from core.settings import DecodeSettings
 from core.step import accept, commit, prefill, verify
 from core.tree import build_tree, load_tree
 from models.heads import MedusaHeads
-from tests.helpers import ARCHS, OracleDrafter, plain_tokens, tiny_model
+from tests.helpers import ARCHS, BASE_ARCHS, FAST_KERNELS, OracleDrafter, plain_tokens, tiny_model
 from tests.stats import chi_square_p_value
 
 PROMPT = [1, 17, 33, 5, 60, 2, 41]
@@ -83,7 +84,7 @@ def test_cache_after_commit_equals_plain_cache(arch):
     tree = tree_named("custom")
     drafter = OracleDrafter(PROMPT + reference, tree, model.config.vocab_size, seed=3)
     settings = DecodeSettings()
-    cache = kv.new_cache()
+    cache = kv.new_cache(model)
     fwd = prefill(model, cache, torch.tensor(PROMPT))
     root = fwd.logits[-1].argmax()
     committed = list(PROMPT)
@@ -97,16 +98,21 @@ def test_cache_after_commit_equals_plain_cache(arch):
             committed += draft.tokens[result.path].tolist()
             root = result.next_token
     assert kv.length(cache) == len(committed)
-    plain = kv.new_cache()
+    plain = kv.new_cache()  # transformers' own forward and cache over the committed tokens
     model(torch.tensor([committed]), past_key_values=plain, use_cache=True)
-    for ours, theirs in zip(cache.layers, plain.layers, strict=True):
-        torch.testing.assert_close(ours.keys, theirs.keys, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(ours.values, theirs.values, atol=1e-5, rtol=1e-5)
+    for i, theirs in enumerate(plain.layers):
+        if isinstance(cache, fast.StaticKV):
+            ours = (cache.keys[i, :, : cache.length][None], cache.values[i, :, : cache.length][None])
+        else:
+            ours = (cache.layers[i].keys, cache.layers[i].values)
+        torch.testing.assert_close(ours[0], theirs.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours[1], theirs.values, atol=1e-5, rtol=1e-5)
 
 
-def test_lossless_sampling_reproduces_plain_sampling_for_the_same_seed():
+@pytest.mark.parametrize("arch", ["llama", *(f"llama+{k}" for k in FAST_KERNELS)])
+def test_lossless_sampling_reproduces_plain_sampling_for_the_same_seed(arch):
     """One draw per emitted token, in order: the same generator gives the same reply."""
-    model = tiny_model("llama")
+    model = tiny_model(arch)
     settings = DecodeSettings(temperature=0.8, top_p=0.95, max_new_tokens=40)
     plain = plain_tokens(model, PROMPT, 40, settings, torch.Generator().manual_seed(7))
     drafter = MedusaDrafter(random_heads(model), load_tree("mc_sim_7b_63")[1])
@@ -114,10 +120,11 @@ def test_lossless_sampling_reproduces_plain_sampling_for_the_same_seed():
     assert list(done.token_ids) == plain
 
 
-def test_lossless_sampling_distribution_on_a_model():
+@pytest.mark.parametrize("arch", ["llama", *(f"llama+{k}" for k in FAST_KERNELS[-1:])])
+def test_lossless_sampling_distribution_on_a_model(arch):
     """Chi-square of the first three tokens against the model's exact probabilities."""
     vocab = 6
-    model = tiny_model("llama", vocab=vocab, seed=2)
+    model = tiny_model(arch, vocab=vocab, seed=2)
     prompt = [1, 4, 2]
     tree = build_tree([[0], [1], [2], [0, 0], [0, 1], [1, 0]])
     heads = random_heads(model, num_heads=2, seed=5)
@@ -190,7 +197,7 @@ class ByteDecoder:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", BASE_ARCHS)
 def test_greedy_tree_decoding_on_cuda_equals_plain_greedy(arch):
     model = tiny_model(arch).to("cuda")
     reference = plain_tokens(model, PROMPT, 40)

@@ -43,19 +43,20 @@ def test_heads_paths_are_not_taken_for_hub_repos():
             resolve_heads(path)
 
 
-def test_cpu_dtype_choice_is_kept_per_kernel_set_and_survives_a_damaged_record(tmp_path, monkeypatch):
+def test_cpu_kernel_choice_is_kept_per_kernel_set_and_survives_a_damaged_record(tmp_path, monkeypatch):
     import json
 
     from models import loader
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    record = loader.cache_dir() / "cpu-dtype.json"
+    config = type("Config", (), {"hidden_size": 64, "intermediate_size": 128})()
+    record = loader.cache_dir() / "cpu-kernels.json"
     record.parent.mkdir(parents=True)
     for damaged in ("[1, 2]", "not json", '{"x": 3}'):
         record.write_text(damaged)
-        assert loader._fastest_cpu_dtype(64, 128) in ("float32", "bfloat16")
+        assert loader.cpu_choice(config, None, False).dtype in ("float32", "bfloat16")
     (key,) = json.loads(record.read_text()).keys() - {"x"}
     assert torch.backends.cpu.get_cpu_capability() in key and "64x128" in key
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # other kernels: measured again, kept apart
-    loader._fastest_cpu_dtype(64, 128)
+    loader.cpu_choice(config, None, False)
     assert len(json.loads(record.read_text())) == 3 and "oneDNN AVX2" in str(json.loads(record.read_text()))

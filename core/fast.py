@@ -1,0 +1,299 @@
+"""A lean decode forward for Llama-family backbones on the CPU, with a pre-allocated KV cache.
+
+Most of a small model's decoding step on a CPU is not arithmetic: it is per-operator overhead
+in the generic transformers forward (mask building, cache bookkeeping, dozens of small ops a
+layer) and BLAS re-packing the weights on every multi-row matmul. This module removes both:
+
+- `accelerate` swaps the model's linear layers for `PackedLinear`s (q/k/v and gate/up fused)
+  whose weights are laid out once for the chosen kernel (oneDNN's pre-packed layout in fp32 or bf16, or weight-only int4
+  with bf16 activations). A packed matmul gives every row the same result whatever the number
+  of rows, so a tree forward and a one-token forward round alike.
+- `FastForward` runs embedding → decoder layers → final norm straight from the model's own
+  modules (nothing is copied), writing keys and values into a `StaticKV` by index; keeping an
+  accepted path is one gather over all layers at once.
+
+Only architectures whose layers are exactly RMSNorm → GQA attention with rotary positions →
+SwiGLU MLP are served (`SUPPORTED`); everything else keeps the transformers forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+SUPPORTED = ("llama", "mistral", "qwen2")  # model_type values whose decoder layers FastForward reproduces
+KERNELS = ("dense", "onednn", "int4")  # how a PackedLinear multiplies; see PackedLinear
+_ATTR = "medusa_fast_forward"  # where a model carries its FastForward (see forward_of)
+INT4_GROUP = 32  # int4 weights: one scale and zero per 32 inputs (the GGUF Q4_1 block)
+
+
+class PackedLinear(nn.Module):
+    """y = x Wᵀ + b with W laid out once for one kernel.
+
+    - "dense": torch's own matmul on the plain weight.
+    - "onednn": oneDNN's pre-packed layout (`mkldnn._reorder_linear_weight`), fp32 or bf16.
+    - "int4": weight-only int4, asymmetric per group of `INT4_GROUP` inputs, bf16 activations
+      (torch's packed int4 CPU matmul).
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, kernel: str) -> None:
+        super().__init__()
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown kernel {kernel!r}")
+        self.kernel = kernel
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        self.bias = None if bias is None else bias.detach()
+        w = weight.detach()
+        if kernel == "onednn":
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 16)
+        elif kernel == "int4":
+            self.packed, self.scales_zeros = _int4_pack(w)
+        else:
+            self.packed = w
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.kernel == "onednn":
+            y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
+        elif self.kernel == "int4":
+            y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, INT4_GROUP, self.scales_zeros)
+            y = y if self.bias is None else y + self.bias
+        else:
+            y = F.linear(x2, self.packed, self.bias)
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, kernel={self.kernel}"
+
+
+def _int4_pack(w: Tensor) -> tuple[Tensor, Tensor]:
+    """(out, in) weight → torch's packed int4 layout and its (in/group, out, 2) scales and zeros.
+
+    Each group of `INT4_GROUP` inputs keeps its own minimum and step, so weights that were
+    4-bit with such blocks to begin with (GGUF Q4_1) come back as they were, up to bf16 scales."""
+    out, inp = w.shape
+    groups = w.float().view(out, inp // INT4_GROUP, INT4_GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    step = ((high - low) / 15).clamp(min=1e-12)
+    q = torch.round((groups - low[..., None]) / step[..., None]).clamp(0, 15).to(torch.int32).view(out, inp)
+    zeros = low + 8 * step  # the kernel computes (q - 8) * step + zero
+    scales_zeros = torch.stack([step.t(), zeros.t()], dim=-1).contiguous().to(torch.bfloat16)
+    return torch._convert_weight_to_int4pack_for_cpu(q, 1), scales_zeros
+
+
+def kernel_works(kernel: str, dtype: torch.dtype) -> bool:
+    """Whether this CPU (with the kernel ISA torch was allowed) runs `kernel` in `dtype`."""
+    if kernel == "int4" and dtype != torch.bfloat16:
+        return False  # the int4 kernel is fast only with bf16 activations
+    try:
+        layer = PackedLinear(torch.randn(64, 64, dtype=dtype), None, kernel)
+        return layer(torch.randn(3, 64, dtype=dtype)).shape == (3, 64)
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def servable(config) -> bool:
+    """Whether FastForward reproduces the forward of a model with this (transformers) config."""
+    text = config.get_text_config()
+    return (
+        text.model_type in SUPPORTED
+        and getattr(text, "hidden_act", "silu") == "silu"
+        and not getattr(config, "quantization_config", None)
+        and not any("sliding" in t for t in (getattr(text, "layer_types", None) or []))
+    )
+
+
+class Part(nn.Module):
+    """Columns [start, stop) of a fused PackedLinear's output: what the original q/k/v or
+    gate/up projection returned, so the transformers forward still works after fusing."""
+
+    def __init__(self, fused: PackedLinear, start: int, stop: int) -> None:
+        super().__init__()
+        self.fused, self.start, self.stop = fused, start, stop
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fused(x)[..., self.start : self.stop]
+
+
+def _fuse(parent: nn.Module, names: tuple[str, ...], kernel: str) -> PackedLinear:
+    """One PackedLinear over the concatenated outputs of `parent`'s linear layers `names`,
+    which become Parts of it."""
+    parts = [getattr(parent, n) for n in names]
+    weight = torch.cat([p.weight for p in parts])
+    biases = [p.bias for p in parts]
+    bias = (
+        None
+        if all(b is None for b in biases)
+        else torch.cat(
+            [b if b is not None else weight.new_zeros(p.weight.shape[0]) for p, b in zip(parts, biases, strict=True)]
+        )
+    )
+    fused = PackedLinear(weight, bias, kernel)
+    start = 0
+    for name, part in zip(names, parts, strict=True):
+        stop = start + part.weight.shape[0]
+        setattr(parent, name, Part(fused, start, stop))
+        start = stop
+    return fused
+
+
+def accelerate(model: nn.Module, kernel: str, head_kernel: str) -> FastForward:
+    """Pack the model's linear layers (in place) and give it a FastForward, which every
+    consumer of the model (`core.cache.new_cache`, `core.step`) then uses.
+
+    Decoder layers get `kernel` with q/k/v and gate/up fused into one matmul each; the lm_head
+    gets `head_kernel` and keeps its `weight` (tied to the embedding), which Medusa heads read."""
+    for layer in model.base_model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv = _fuse(attn, ("q_proj", "k_proj", "v_proj"), kernel)
+        attn.o_proj = PackedLinear(attn.o_proj.weight, attn.o_proj.bias, kernel)
+        mlp.gate_up = _fuse(mlp, ("gate_proj", "up_proj"), kernel)
+        mlp.down_proj = PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, kernel)
+    head = model.get_output_embeddings()
+    packed = PackedLinear(head.weight, head.bias, head_kernel)
+    packed.weight = head.weight
+    model.set_output_embeddings(packed)
+    forward = FastForward(model)
+    setattr(model, _ATTR, forward)
+    return forward
+
+
+def forward_of(model: nn.Module) -> FastForward | None:
+    """The model's FastForward if `accelerate` gave it one."""
+    return getattr(model, _ATTR, None)
+
+
+class StaticKV:
+    """Keys and values of every layer in two pre-allocated tensors, (layers, kv heads, capacity,
+    head dim); the first `length` positions are the committed prefix."""
+
+    def __init__(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, capacity: int = 256) -> None:
+        self.keys = torch.zeros(layers, heads, capacity, head_dim, dtype=dtype)
+        self.values = torch.zeros_like(self.keys)
+        self.length = 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def reserve(self, size: int) -> None:
+        """Room for `size` positions (doubling, so appends stay amortised O(1))."""
+        capacity = self.keys.shape[2]
+        if size <= capacity:
+            return
+        new = max(size, 2 * capacity)
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            grown = old.new_zeros(old.shape[0], old.shape[1], new, old.shape[3])
+            grown[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, grown)
+
+    def truncate(self, size: int) -> None:
+        self.length = min(size, self.length)
+
+    def keep_path(self, prefix_len: int, path: Tensor) -> None:
+        """Keep [0, prefix_len) and the nodes `path` (relative to prefix_len), every layer at once."""
+        keep = path + prefix_len
+        end = prefix_len + path.numel()
+        if not torch.equal(keep, torch.arange(prefix_len, end)):
+            self.keys[:, :, prefix_len:end] = self.keys[:, :, keep]
+            self.values[:, :, prefix_len:end] = self.values[:, :, keep]
+        self.length = end
+
+
+class FastForward:
+    """Embedding → decoder layers → final norm of a Llama-family model, on a StaticKV."""
+
+    def __init__(self, model: nn.Module) -> None:
+        base = model.base_model
+        config = model.config.get_text_config()
+        self.embed = base.embed_tokens
+        self.rotary = base.rotary_emb
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.dtype = model.dtype
+        self.q_size = self.heads * self.head_dim
+        self.kv_size = self.kv_heads * self.head_dim
+        self.layers = [
+            (
+                _norm(layer.input_layernorm),
+                layer.self_attn.qkv,
+                layer.self_attn.o_proj,
+                _norm(layer.post_attention_layernorm),
+                layer.mlp.gate_up,
+                layer.mlp.down_proj,
+            )
+            for layer in base.layers
+        ]
+        self.final_norm = _norm(base.norm)
+        self._cos = self._sin = torch.empty(0)
+
+    def new_cache(self) -> StaticKV:
+        return StaticKV(len(self.layers), self.kv_heads, self.head_dim, self.dtype)
+
+    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and sin (T, head dim) at `positions`, from a table grown as positions grow."""
+        top = int(positions.max()) + 1
+        if top > self._cos.shape[0]:
+            size = max(top, 2 * self._cos.shape[0], 256)
+            probe = torch.zeros(1, dtype=self.dtype)
+            cos, sin = self.rotary(probe, torch.arange(size).view(1, -1))
+            half = self.head_dim // 2
+            sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)]).to(sin.dtype)
+            self._cos, self._sin = cos[0], sin[0] * sign  # the sign of rotate-half folded into sin
+        return self._cos[positions], self._sin[positions]
+
+    def __call__(self, ids: Tensor, positions: Tensor, mask: Tensor | None, cache: StaticKV) -> Tensor:
+        """(T,) tokens at (T,) positions after the cache's prefix → (T, H) final hidden states.
+
+        `mask`: (1, 1, T, past + T) additive float mask, or None for causal attention. The T new
+        keys and values are appended to the cache."""
+        t, past = ids.numel(), cache.length
+        end = past + t
+        cache.reserve(end)
+        cos, sin = self._rope(positions)
+        cos, sin = cos.view(t, 1, self.head_dim), sin.view(t, 1, self.head_dim)
+        causal = mask is None and t > 1
+        if causal and past:  # a causal block after a prefix: build the mask (prefill on top of a cache)
+            mask = torch.zeros(1, 1, t, end, dtype=self.dtype)
+            mask[0, 0, :, past:].masked_fill_(torch.ones(t, t, dtype=torch.bool).triu(1), torch.finfo(self.dtype).min)
+            causal = False
+        x = self.embed(ids)
+        heads, kv, d = self.heads, self.kv_heads, self.head_dim
+        inner = self.layers[0][4].out_features // 2 if self.layers else 0
+        for i, (norm1, qkv_proj, o_proj, norm2, gate_up, down) in enumerate(self.layers):
+            qkv = qkv_proj(norm1(x))
+            qk = _rotate(qkv[:, : self.q_size + self.kv_size].view(t, heads + kv, d), cos, sin)
+            cache.keys[i, :, past:end] = qk[:, heads:].transpose(0, 1)
+            cache.values[i, :, past:end] = qkv[:, self.q_size + self.kv_size :].view(t, kv, d).transpose(0, 1)
+            a = F.scaled_dot_product_attention(
+                qk[:, :heads].transpose(0, 1).unsqueeze(0),
+                cache.keys[i, :, :end].unsqueeze(0),
+                cache.values[i, :, :end].unsqueeze(0),
+                attn_mask=mask,
+                is_causal=causal,
+                enable_gqa=heads != kv,
+            )
+            x = x + o_proj(a[0].transpose(0, 1).reshape(t, -1))
+            gu = gate_up(norm2(x))
+            x = x + down(F.silu(gu[:, :inner]) * gu[:, inner:])
+        cache.length = end
+        return self.final_norm(x)
+
+
+def _norm(module: nn.Module):
+    """An RMSNorm module as one fused call (same maths as transformers' Llama RMSNorm)."""
+    weight = module.weight
+    eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps", 1e-6)
+    shape = (weight.shape[0],)
+    return lambda x: torch.rms_norm(x, shape, weight, eps)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary position embedding as transformers' Llama applies it (rotate-half convention);
+    `sin` carries the rotation's sign (−sin on the first half)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin

@@ -1,0 +1,94 @@
+"""Which dtype and matmul kernel decode fastest on this CPU, measured here and remembered.
+
+The candidates are `core.fast`'s PackedLinear kernels in fp32 and bf16 (bf16 only where the CPU
+has native bf16 arithmetic). Each is timed on the model's own MLP shapes at one row (a plain
+step) and eight rows (a tree step), over enough distinct weights that they do not sit in the
+CPU cache, as in a real forward. A kernel that fails here (oneDNN's bf16 needs AVX-512 or
+AVX-NE-CONVERT; an ISA limit can withhold them) is skipped. The result is stored per machine
+key (CPU, kernel ISA, threads, torch), shape and request, so a second launch measures nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from core import fast
+from core.profile import cpu_flags, machine
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+ROWS = (1, 8)  # a plain step and a typical tree step
+WORKING_SET = 48 * 2**20  # bytes of weights cycled through while timing (beyond the CPU cache)
+
+
+@dataclass(frozen=True)
+class Choice:
+    dtype: str  # the model's dtype: "float32" or "bfloat16"
+    kernel: str  # the decoder layers' PackedLinear kernel
+    head_kernel: str  # the lm_head's
+
+
+def native_bf16() -> bool:
+    """Whether the CPU has bf16 arithmetic (AVX512-BF16 or AMX); elsewhere bf16 is emulated."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def candidates(dtype: str | None, int4: bool) -> list[Choice]:
+    """What may be timed for a request: a dtype (None: any) and whether int4 weights were asked for."""
+    if int4:  # the int4 kernel runs with bf16 activations; the lm_head stays unquantized
+        return [Choice("bfloat16", "int4", head) for head in ("onednn", "dense")]
+    dtypes = [dtype] if dtype else ["float32", *(["bfloat16"] if native_bf16() else [])]
+    return [Choice(d, k, k) for d in dtypes for k in ("onednn", "dense")]
+
+
+def choose(hidden: int, inner: int, dtype: str | None, int4: bool, record: Path) -> Choice:
+    """The fastest working candidate; measured once per machine, shape and request."""
+    key = f"{machine(torch.device('cpu')).key}|{hidden}x{inner}|{dtype or 'auto'}|{'int4' if int4 else 'full'}"
+    try:
+        known = json.loads(record.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known, dict):  # a damaged record is measured again
+        known = {}
+    with contextlib.suppress(TypeError, KeyError):
+        choice = Choice(**known[key])
+        if choice in candidates(dtype, int4):
+            return choice
+    timed = {c: _seconds(c, hidden, inner) for c in candidates(dtype, int4)}
+    working = {c: s for c, s in timed.items() if s is not None}
+    best = min(working, key=working.get) if working else Choice(dtype or "float32", "dense", "dense")
+    known[key] = asdict(best)
+    with contextlib.suppress(OSError):
+        record.parent.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps(known, indent=1))
+    return best
+
+
+def _seconds(choice: Choice, hidden: int, inner: int, repeats: int = 3) -> float | None:
+    """Time of one MLP's matmuls at one and eight rows (the best of `repeats`), or None if the
+    choice's kernels do not run here."""
+    dt = DTYPES[choice.dtype]
+    if not (fast.kernel_works(choice.kernel, dt) and fast.kernel_works(choice.head_kernel, dt)):
+        return None
+    count = max(2, min(16, WORKING_SET // (2 * inner * hidden * dt.itemsize)))
+    gen = torch.Generator().manual_seed(0)
+    layers = [
+        fast.PackedLinear((torch.randn(o, i, generator=gen) * 0.05).to(dt), None, choice.kernel)
+        for _ in range(count)
+        for o, i in ((inner, hidden), (hidden, inner))
+    ]
+    inputs = {m: {i: torch.randn(m, i, generator=gen).to(dt) for i in (hidden, inner)} for m in ROWS}
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats + 1):  # the first round warms up
+            start = time.perf_counter()
+            for m in ROWS:
+                for layer in layers:
+                    layer(inputs[m][layer.in_features])
+            best = min(best, time.perf_counter() - start)
+    return best / count

@@ -1,0 +1,149 @@
+"""core.fast: the lean forward agrees with transformers, packed kernels round every row alike,
+the static cache keeps paths, int4 reproduces 4-bit blocks, and the kernel choice is remembered."""
+
+import json
+
+import pytest
+import torch
+
+from core import cache as kv
+from core import fast
+from core.generate import collect, stream
+from core.settings import DecodeSettings
+from core.step import Draft, prefill, verify
+from core.tree import load_tree
+from core.tune import kernels
+from tests.helpers import FAST_KERNELS, OracleDrafter, plain_tokens, tiny_model
+
+PROMPT = [1, 17, 33, 5, 60, 2, 41]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("kernel", FAST_KERNELS)
+def test_fast_forward_matches_transformers(arch, kernel):
+    """fp32: prefill and every node of a tree verify give transformers' own logits."""
+    reference = tiny_model(arch)
+    model = tiny_model(f"{arch}+{kernel}")
+    assert fast.forward_of(model) is not None and fast.forward_of(reference) is None
+    tree = load_tree("cpu-8")[1]
+    tokens = torch.randint(0, 96, (tree.size,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        cache = kv.new_cache(model)
+        assert isinstance(cache, fast.StaticKV)
+        first = prefill(model, cache, torch.tensor(PROMPT))
+        expected = reference(torch.tensor([PROMPT])).logits[0, -1]
+        torch.testing.assert_close(first.logits[-1], expected, atol=1e-5, rtol=1e-5)
+        fwd = verify(model, cache, Draft(tokens, tree))
+        for node in range(tree.size):
+            path = tokens[tree.path_to(node)].tolist()
+            plain = reference(torch.tensor([PROMPT + path])).logits[0, -1]
+            torch.testing.assert_close(fwd.logits[node], plain, atol=1e-5, rtol=1e-5)
+
+
+def test_a_prefill_on_top_of_a_cache_is_causal():
+    """A second block of several tokens after a prefix attends causally (the mask fast builds)."""
+    reference = tiny_model("llama")
+    model = tiny_model(f"llama+{FAST_KERNELS[0]}")
+    with torch.inference_mode():
+        cache = kv.new_cache(model)
+        prefill(model, cache, torch.tensor(PROMPT[:3]))
+        out = prefill(model, cache, torch.tensor(PROMPT[3:]))
+        expected = reference(torch.tensor([PROMPT])).logits[0, -1]
+    torch.testing.assert_close(out.logits[-1], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kernel", "dtype"), [("onednn", torch.float32), ("onednn", torch.bfloat16), ("int4", torch.bfloat16)]
+)
+def test_packed_kernels_give_each_row_the_same_result_at_any_row_count(kernel, dtype):
+    """What makes a tree forward round exactly like a one-token forward."""
+    if not fast.kernel_works(kernel, dtype):
+        pytest.skip(f"{kernel} does not run in {dtype} on this CPU")
+    gen = torch.Generator().manual_seed(0)
+    layer = fast.PackedLinear((torch.randn(192, 128, generator=gen) * 0.05).to(dtype), None, kernel)
+    x = torch.randn(16, 128, generator=gen).to(dtype)
+    whole = layer(x)
+    for rows in (1, 3, 8):
+        assert torch.equal(layer(x[:rows]), whole[:rows])
+    assert torch.equal(layer(x[5:6]), whole[5:6])
+
+
+def test_int4_reproduces_weights_that_were_4_bit_blocks():
+    """Weights made of Q4_1-style blocks (min + step × q, q in 0..15 per 32 inputs) come back
+    up to the bf16 rounding of each block's step and zero."""
+    if not fast.kernel_works("int4", torch.bfloat16):
+        pytest.skip("no int4 kernel here")
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 16, (64, 128), generator=gen).float()
+    q[:, ::32], q[:, 1::32] = 0, 15  # every block spans the whole range, as a quantizer leaves it
+    step = torch.rand(64, 4, 1, generator=gen) * 0.01 + 0.001
+    low = torch.randn(64, 4, 1, generator=gen) * 0.02
+    w = (low + step * q.view(64, 4, 32)).view(64, 128)
+    layer = fast.PackedLinear(w.to(torch.bfloat16), None, "int4")
+    eye = torch.eye(128, dtype=torch.bfloat16)
+    back = layer(eye).float().t()  # column j of W·I is input j's weights
+    assert (back - w).abs().max() < 0.02 * w.abs().max()
+    dense = torch.nn.functional.linear(eye.float(), w).t()
+    assert torch.corrcoef(torch.stack([back.flatten(), dense.flatten()]))[0, 1] > 0.999
+
+
+def test_greedy_tree_decoding_equals_plain_greedy_in_int4():
+    """Exactness in the same precision: int4 weights with bf16 activations, tree vs plain."""
+    if not fast.kernel_works("int4", torch.bfloat16):
+        pytest.skip("no int4 kernel here")
+    model = tiny_model("llama+int4")
+    reference = plain_tokens(model, PROMPT, 40)
+    drafter = OracleDrafter(PROMPT + reference, load_tree("mc_sim_7b_63")[1], model.config.vocab_size, seed=1)
+    events, done = collect(stream(model, PROMPT, DecodeSettings(max_new_tokens=32), drafter))
+    assert list(done.token_ids) == reference[:32]
+    assert max(e.accepted for e in events) >= 2
+
+
+def test_static_cache_grows_keeps_paths_and_truncates():
+    cache = fast.StaticKV(layers=2, heads=1, head_dim=1, dtype=torch.float32, capacity=4)
+    values = torch.arange(10, dtype=torch.float32)
+    cache.reserve(10)
+    assert cache.keys.shape[2] >= 10
+    cache.keys[:, 0, :10, 0] = values
+    cache.values[:, 0, :10, 0] = -values
+    cache.length = 10
+    cache.reserve(40)  # growing keeps what was there
+    assert torch.equal(cache.keys[1, 0, :10, 0], values)
+    cache.keep_path(4, torch.tensor([0, 2, 5]))  # nodes 4, 6, 9 move down to 4, 5, 6
+    assert cache.get_seq_length() == 7
+    assert cache.keys[0, 0, :7, 0].tolist() == [0, 1, 2, 3, 4, 6, 9]
+    assert cache.values[1, 0, :7, 0].tolist() == [0, -1, -2, -3, -4, -6, -9]
+    kv.truncate(cache, 5)
+    assert kv.length(cache) == 5
+
+
+def test_kernel_choice_is_measured_once_and_a_damaged_record_is_measured_again(tmp_path, monkeypatch):
+    record = tmp_path / "cpu-kernels.json"
+    timed = []
+    real = kernels._seconds
+    monkeypatch.setattr(kernels, "_seconds", lambda c, h, i: timed.append(c) or real(c, h, i, repeats=1))
+    first = kernels.choose(64, 128, "float32", False, record)
+    assert first.dtype == "float32" and first in kernels.candidates("float32", False)
+    count = len(timed)
+    assert count == len(kernels.candidates("float32", False))
+    assert kernels.choose(64, 128, "float32", False, record) == first and len(timed) == count  # remembered
+    record.write_text("[not a dict")
+    kernels.choose(64, 128, "float32", False, record)
+    assert len(timed) == 2 * count
+    known = json.loads(record.read_text())
+    (key,) = known
+    known[key] = {"dtype": "float32", "kernel": "no-such-kernel", "head_kernel": "dense"}
+    record.write_text(json.dumps(known))
+    assert kernels.choose(64, 128, "float32", False, record) in kernels.candidates("float32", False)
+    assert len(timed) == 3 * count
+
+
+def test_int4_is_refused_where_it_cannot_run():
+    from core.errors import UserError
+    from models import loader
+
+    config = tiny_model("llama").config
+    with pytest.raises(UserError, match="for the CPU"):
+        loader._pick_quantization("int4", torch.device("cuda"), config)
+    config.model_type = "gpt2"
+    assert not fast.servable(config)
