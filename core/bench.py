@@ -2,8 +2,9 @@
 
 Modes run interleaved prompt by prompt, so slow drift of the machine (heat, other load) hits
 them alike. `medusa`, `lookup` and `hybrid` are our tree loop with that drafter, `baseline`
-our plain loop; `hf` is transformers
-`generate` with the same sampling settings and `hf-pld` its prompt-lookup decoding; `llamacpp`
+our plain loop; `hf` and `hf-bf16` are stock transformers
+`generate` (an unmodified copy of the model, fp32 and bf16) with the same sampling settings and
+`hf-pld` its prompt-lookup decoding; `llamacpp`
 is llama.cpp on the same GGUF file (through a function the caller passes in). A "step"
 is one forward of the backbone (counted with a hook for the transformers modes), the prefill
 included, so tokens per step is the paper's acceleration rate and plain decoding gives 1.0.
@@ -26,7 +27,8 @@ from core.tree import DRAFTERS
 
 TREE_MODES = DRAFTERS  # our tree loop, named by its drafter
 PEERS = ("llamacpp",)  # other engines, run through a function the caller supplies
-MODES = (*TREE_MODES, "baseline", "hf", "hf-pld", *PEERS)
+STOCK_DTYPES = {"hf": torch.float32, "hf-bf16": torch.bfloat16, "hf-pld": torch.float32}  # stock transformers modes
+MODES = (*TREE_MODES, "baseline", *STOCK_DTYPES, *PEERS)
 Peer = Callable[[list[int], DecodeSettings, tuple[int, ...]], tuple[tuple[int, ...], float]]  # → (reply, seconds)
 PLD_TOKENS = 10  # prompt-lookup draft length, the value transformers documents
 
@@ -72,8 +74,10 @@ def run_once(
     eos_ids: tuple[int, ...],
     seed: int,
     peers: dict[str, Peer] | None = None,
+    stock: dict[str, PreTrainedModel] | None = None,
 ) -> tuple[int, int, float, float, tuple[int, ...]]:
-    """(tokens, steps, seconds, seconds spent drafting, the reply) of one reply in one mode."""
+    """(tokens, steps, seconds, seconds spent drafting, the reply) of one reply in one mode.
+    `stock`: the unmodified model for each transformers mode (default: `model`)."""
     if mode in PEERS:  # one token per forward
         reply, seconds = (peers or {})[mode](prompt_ids, settings, eos_ids)
         return len(reply), len(reply), seconds, 0.0, reply
@@ -92,7 +96,7 @@ def run_once(
         )
         drafting = sum(e.draft_seconds for e in events)
         return len(done.token_ids), done.steps, done.seconds, drafting, done.token_ids
-    reply, steps, seconds = _run_hf(mode, model, prompt_ids, settings, eos_ids, seed)
+    reply, steps, seconds = _run_hf(mode, (stock or {}).get(mode, model), prompt_ids, settings, eos_ids, seed)
     return len(reply), steps, seconds, 0.0, reply
 
 
@@ -140,15 +144,16 @@ def run_bench(
     seed: int = 0,
     progress: Callable[[Run], None] = lambda run: None,
     peers: dict[str, Peer] | None = None,
+    stock: dict[str, PreTrainedModel] | None = None,
 ) -> list[Run]:
     """Warm every mode up, then run each prompt through every mode in turn."""
     warm = DecodeSettings(**{**asdict(settings), "max_new_tokens": 8})
     for mode in modes:
-        run_once(mode, model, prompts[0], warm, drafters, eos_ids, seed, peers)
+        run_once(mode, model, prompts[0], warm, drafters, eos_ids, seed, peers, stock)
     runs = []
     for i, ids in enumerate(prompts):
         for mode in modes:
-            run = Run(mode, i, *run_once(mode, model, ids, settings, drafters, eos_ids, seed + i, peers))
+            run = Run(mode, i, *run_once(mode, model, ids, settings, drafters, eos_ids, seed + i, peers, stock))
             progress(run)
             runs.append(run)
     return runs
@@ -195,7 +200,7 @@ def speedups(summary: dict[str, Summary], of: str = "medusa") -> dict[str, float
 def table(summary: dict[str, Summary], prompts: int) -> str:
     """One row per mode; then its speed relative to `hf` and `baseline`, how many of the
     `prompts` replies equal the plain loop's token for token, and where the others first differ."""
-    refs = [m for m in ("hf", "baseline") if m in summary]
+    refs = [m for m in ("hf", "hf-bf16", "baseline") if m in summary]
     header = ["mode", "tokens", "steps", "tok/step", "step ms", "draft %", "seconds", "tok/s"]
     header += [f"× {m}" for m in refs] + ["= plain", "1st diff"]
     widths = [10, 8, 8, 10, 9, 9, 9, 8] + [11] * len(refs) + [9, 9]

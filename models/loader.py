@@ -49,6 +49,7 @@ class Backbone:
     tokenizer: object  # a transformers tokenizer
     eos_ids: tuple[int, ...]  # tokens that end a reply
     chat_template: str | None = None
+    folder: Path | None = None  # where the weights were loaded from
 
     def encode_chat(self, prompt: str, system: str | None = None) -> list[int]:
         """One user message (and an optional system prompt) as prompt token ids."""
@@ -180,7 +181,7 @@ def load_backbone(
         config = AutoConfig.from_pretrained(spec.folder)
     except (OSError, ValueError) as e:
         raise UserError(f"The model in {spec.folder} has an unreadable config.json ({e}).") from e
-    quant = _pick_quantization(quantization, dev, config)
+    quant = _pick_quantization(quantization, dev, config, four_bit=spec.name == EMBEDDED_ID and dtype == "auto")
     if dtype != "auto":
         pick_dtype(dtype, dev)  # an unknown name is refused before anything loads
     choice = None
@@ -215,16 +216,28 @@ def load_backbone(
         fast.accelerate(model, choice.kernel, choice.head_kernel)
     elif model.device.type == "cpu" and model.dtype == torch.float32 and quant == "none":
         transpose_linears(model)  # bf16 is the other way round: transposed weights are far slower
-    return Backbone(spec.name, model, tokenizer, _eos_ids(model, tokenizer), spec.chat_template)
+    return Backbone(spec.name, model, tokenizer, _eos_ids(model, tokenizer), spec.chat_template, spec.folder)
 
 
-def _pick_quantization(name: str, device: torch.device, config: object) -> str:
+def load_stock(backbone: Backbone, dtype: torch.dtype) -> PreTrainedModel:
+    """The backbone's model as stock transformers loads it, with none of our speed-ups: the
+    reference the benchmark compares against."""
+    model = AutoModelForCausalLM.from_pretrained(backbone.folder, dtype=dtype)
+    return model.to(backbone.model.device).eval()
+
+
+def _pick_quantization(name: str, device: torch.device, config: object, four_bit: bool = False) -> str:
+    """`auto`: nf4 on a GPU; on a CPU int4 for a model whose weights are 4-bit to begin with (the
+    embedded GGUF's Q4_1 blocks, which int4 keeps as they are) where the int4 kernel runs and no
+    dtype was asked for, else the model's own precision."""
     if name not in QUANTIZATIONS:
         raise UserError(f"Unknown quantization '{name}'; choose one of {', '.join(QUANTIZATIONS)}.")
     if getattr(config, "quantization_config", None):
         return "pre-quantized"  # the repo is already quantized (bitsandbytes and the like)
     if name == "auto":
-        return "nf4" if device.type == "cuda" else "none"
+        if device.type == "cuda":
+            return "nf4"
+        return "int4" if four_bit and fast.servable(config) and fast.kernel_works("int4", torch.bfloat16) else "none"
     if name == "int4" and device.type != "cpu":
         raise UserError("--quantization int4 is for the CPU; on a GPU use nf4.")
     if name in ("nf4", "int8") and device.type == "cpu":

@@ -19,8 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--modes",
         help="comma-separated: medusa, lookup, hybrid (tree decoding with that drafter), baseline (our plain "
-        "loop), hf, hf-pld (transformers generate, plain and prompt lookup), llamacpp (llama.cpp on the same GGUF, "
-        "if installed); default: drafter,baseline,hf,hf-pld",
+        "loop), hf, hf-bf16, hf-pld (stock transformers generate on an unmodified copy of the model: fp32, bf16, "
+        "and prompt lookup), llamacpp (llama.cpp on the same GGUF, if installed); "
+        "default: drafter,baseline,hf,hf-bf16 (CPUs with native bf16 and GPUs),hf-pld",
     )
     p.add_argument("--system", help="system prompt for every prompt")
     p.add_argument("--json", dest="json_out", metavar="OUT", help="write the results here")
@@ -29,14 +30,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from core.bench import TREE_MODES, check_modes, run_bench, speedups, summarize, table
+    import torch
+
+    from core import fast
+    from core.bench import STOCK_DTYPES, TREE_MODES, check_modes, run_bench, speedups, summarize, table
     from core.tree import load_preset
+    from core.tune.kernels import native_bf16
+    from models.loader import load_stock
 
     if args.modes:
         modes = check_modes(args.modes.split(","))
     else:
         default = args.drafter or (load_preset(args.tree).drafter if args.tree else None)
-        modes = (default or "default", "baseline", "hf", "hf-pld")
+        bf16 = ("hf-bf16",) if native_bf16() or torch.cuda.is_available() else ()  # stock's fastest dtype too
+        modes = (default or "default", "baseline", "hf", *bf16, "hf-pld")
     prompts = read_prompts(args.prompts)
     settings, backbone, drafters, preset = setup(args, tuple(m for m in modes if m in TREE_MODES) or None)
     if "default" in modes:  # the model's own drafter
@@ -45,9 +52,11 @@ def run(args: argparse.Namespace) -> int:
     if "llamacpp" in modes:
         peers["llamacpp"] = _llamacpp(args.model)
         modes = tuple(m for m in modes if m != "llamacpp" or peers["llamacpp"])
+    stock = {m: load_stock(backbone, STOCK_DTYPES[m]) for m in modes if m in STOCK_DTYPES}
     encoded = [backbone.encode_chat(p, args.system) for p in prompts]
     print(
-        f"bench: {len(prompts)} prompts × {', '.join(modes)} on {args.model} ({backbone.model.dtype})",
+        f"bench: {len(prompts)} prompts × {', '.join(modes)} on {args.model} "
+        f"({str(backbone.model.dtype).removeprefix('torch.')}, {fast.describe(backbone.model)} forward)",
         file=sys.stderr,
     )
 
@@ -58,13 +67,16 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
 
-    runs = run_bench(encoded, modes, backbone.model, settings, drafters, backbone.eos_ids, args.seed, progress, peers)
+    runs = run_bench(
+        encoded, modes, backbone.model, settings, drafters, backbone.eos_ids, args.seed, progress, peers, stock
+    )
     summary = summarize(runs)
     print(table(summary, len(prompts)))
     if args.json_out:
         report = {
             "model": args.model,
             "dtype": str(backbone.model.dtype).removeprefix("torch."),
+            "forward": fast.describe(backbone.model),
             "tree": preset.name,
             "lookup": {"branches": preset.lookup_branches, "length": preset.lookup_length},
             "settings": asdict(settings),

@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from core import profile
+    from core import fast, profile
     from core.drafters import MedusaDrafter
     from models.loader import heads_for, load_backbone, resolve, resolve_heads
 
@@ -42,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
     here = profile.machine(model.device)
     dtype = str(model.dtype).removeprefix("torch.")
     print(
-        f"profile: {args.model} ({dtype}) on {here.cpu}, {here.kernels} kernels, {here.threads} threads",
+        f"profile: {args.model} ({dtype}, {fast.describe(model)} forward) on {here.cpu}, {here.kernels} kernels, "
+        f"{here.threads} threads",
         file=sys.stderr,
     )
     costs = profile.step_costs(
@@ -57,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         report = {
             "model": args.model,
             "dtype": dtype,
+            "forward": fast.describe(model),
             "machine": asdict(here),
             "heads": "trained" if trained else "untrained",
             "context": len(context),
