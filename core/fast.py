@@ -43,7 +43,6 @@ class PackedLinear(nn.Module):
             raise ValueError(f"unknown kernel {kernel!r}")
         self.kernel = kernel
         self.out_features, self.in_features = weight.shape
-        self.dtype = weight.dtype
         self.bias = None if bias is None else bias.detach()
         w = weight.detach()
         if kernel == "onednn":
@@ -232,6 +231,7 @@ class FastForward:
         self.dtype = model.dtype
         self.q_size = self.heads * self.head_dim
         self.kv_size = self.kv_heads * self.head_dim
+        self.inner = config.intermediate_size
         self.layers = [
             (
                 _norm(layer.input_layernorm),
@@ -278,7 +278,7 @@ class FastForward:
             causal = False
         x = self.embed(ids)
         heads, kv, d = self.heads, self.kv_heads, self.head_dim
-        inner = self.layers[0][4].out_features // 2 if self.layers else 0
+        inner = self.inner
         for i, (norm1, qkv_proj, o_proj, norm2, gate_up, down) in enumerate(self.layers):
             qkv = qkv_proj(norm1(x))
             qk = _rotate(qkv[:, : self.q_size + self.kv_size].view(t, heads + kv, d), cos, sin)

@@ -52,7 +52,9 @@ def run(args: argparse.Namespace) -> int:
     if "llamacpp" in modes:
         peers["llamacpp"] = _llamacpp(args.model)
         modes = tuple(m for m in modes if m != "llamacpp" or peers["llamacpp"])
-    stock = {m: load_stock(backbone, STOCK_DTYPES[m]) for m in modes if m in STOCK_DTYPES}
+    stock_modes = [m for m in modes if m in STOCK_DTYPES]
+    by_dtype = {d: load_stock(backbone, d) for d in {STOCK_DTYPES[m] for m in stock_modes}}  # one copy per dtype
+    stock = {m: by_dtype[STOCK_DTYPES[m]] for m in stock_modes}
     encoded = [backbone.encode_chat(p, args.system) for p in prompts]
     print(
         f"bench: {len(prompts)} prompts × {', '.join(modes)} on {args.model} "

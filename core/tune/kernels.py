@@ -70,15 +70,21 @@ def choose(hidden: int, inner: int, dtype: str | None, int4: bool, record: Path)
 
 
 def _seconds(choice: Choice, hidden: int, inner: int, repeats: int = 3) -> float | None:
-    """Time of one MLP's matmuls at one and eight rows (the best of `repeats`), or None if the
-    choice's kernels do not run here."""
+    """Time of one MLP's matmuls at one and eight rows with the layers' kernel plus the same with
+    the lm_head's (each kernel once), or None if a kernel of the choice does not run here."""
     dt = DTYPES[choice.dtype]
-    if not (fast.kernel_works(choice.kernel, dt) and fast.kernel_works(choice.head_kernel, dt)):
+    used = dict.fromkeys((choice.kernel, choice.head_kernel))
+    if not all(fast.kernel_works(k, dt) for k in used):
         return None
+    return sum(_kernel_seconds(k, dt, hidden, inner, repeats) for k in used)
+
+
+def _kernel_seconds(kernel: str, dt: torch.dtype, hidden: int, inner: int, repeats: int) -> float:
+    """Time of one MLP's matmuls with `kernel` at one and eight rows (the best of `repeats`)."""
     count = max(2, min(16, WORKING_SET // (2 * inner * hidden * dt.itemsize)))
     gen = torch.Generator().manual_seed(0)
     layers = [
-        fast.PackedLinear((torch.randn(o, i, generator=gen) * 0.05).to(dt), None, choice.kernel)
+        fast.PackedLinear((torch.randn(o, i, generator=gen) * 0.05).to(dt), None, kernel)
         for _ in range(count)
         for o, i in ((inner, hidden), (hidden, inner))
     ]
