@@ -187,6 +187,8 @@ def load_backbone(
     choice = None
     if dev.type == "cpu" and quant in ("none", "int4") and fast.servable(config):
         choice = cpu_choice(config.get_text_config(), None if dtype == "auto" else dtype, quant == "int4")
+        if quant == "int4" and dtype not in ("auto", choice.dtype):
+            print(f"note: int4 runs with {choice.dtype} activations; --dtype {dtype} is not used.", file=sys.stderr)
         torch_dtype = DTYPES[choice.dtype]
     elif quant == "int4":
         raise UserError(f"--quantization int4 runs Llama-family models only, not {config.model_type}; use none.")
