@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from core import fast
 from core.drafters import make_drafter
 from core.errors import UserError
 from core.generate import Finished, StepEvent, context_length, stream
@@ -76,7 +77,8 @@ class Engine:
         dtype = str(b.model.dtype).removeprefix("torch.")
         # a many-token verify forward rounds differently from a one-token one below float32
         exact = "" if b.model.dtype == torch.float32 else f" · lossless is exact up to {dtype} rounding"
-        return f"**Ready:** {self.model_id} · {dtype} on {b.model.device.type} · {heads}{exact}"
+        precision = f"int4 weights, {dtype}" if fast.layer_kernel(b.model) == "int4" else dtype
+        return f"**Ready:** {self.model_id} · {precision} on {b.model.device.type} · {heads}{exact}"
 
     def require(self) -> Loaded:
         if self.loaded is None:

@@ -171,13 +171,18 @@ def forward_of(model: nn.Module) -> FastForward | None:
     return getattr(model, _ATTR, None)
 
 
+def layer_kernel(model: nn.Module) -> str | None:
+    """The decoder layers' PackedLinear kernel, or None where the transformers forward runs."""
+    forward = forward_of(model)
+    return forward.layers[0][1].kernel if forward is not None and forward.layers else None
+
+
 def describe(model: nn.Module) -> str:
     """How the model's forward runs, for reports: "lean, int4 layers, onednn lm_head" or "transformers"."""
-    forward = forward_of(model)
-    if forward is None or not forward.layers:
+    kernel = layer_kernel(model)
+    if kernel is None:
         return "transformers"
-    head = model.get_output_embeddings()
-    return f"lean, {forward.layers[0][1].kernel} layers, {getattr(head, 'kernel', 'dense')} lm_head"
+    return f"lean, {kernel} layers, {getattr(model.get_output_embeddings(), 'kernel', 'dense')} lm_head"
 
 
 class StaticKV:

@@ -15,3 +15,22 @@ def test_the_status_says_when_lossless_is_exact_only_up_to_rounding():
         backbone = SimpleNamespace(model=SimpleNamespace(dtype=dtype, device=torch.device("cpu")))
         engine.loaded = Loaded(backbone, None, True, "cpu-8")
         assert ("exact up to bfloat16 rounding" in engine.status()) is said
+
+
+def test_the_status_names_int4_weights():
+    from types import SimpleNamespace
+
+    import pytest
+
+    from app.engine import Engine, Loaded
+    from core import fast
+    from tests.helpers import tiny_model
+
+    if not fast.kernel_works("int4", torch.bfloat16):
+        pytest.skip("no int4 kernel here")
+
+    engine = Engine("tiny")
+    engine.loaded = Loaded(SimpleNamespace(model=tiny_model("llama+int4")), None, True, "cpu-8")
+    assert "int4 weights, bfloat16 on cpu" in engine.status()
+    engine.loaded = Loaded(SimpleNamespace(model=tiny_model("llama")), None, True, "cpu-8")
+    assert "int4" not in engine.status()
