@@ -6,6 +6,7 @@ Everything per user lives in a `Session` held by `gr.State`; the loaded model is
 
 from __future__ import annotations
 
+import html
 import logging
 import tempfile
 import threading
@@ -21,7 +22,7 @@ from app.render import LEGEND, depth_rates, reply_html, stats_html, step_source,
 from core.errors import UserError
 from core.generate import Finished, StepEvent
 from core.settings import DecodeSettings
-from core.tree import DRAFT_SOURCES, preset_names
+from core.tree import AUTO, DRAFT_SOURCES, preset_names
 from models import catalog
 
 log = logging.getLogger("medusa-chat")
@@ -145,10 +146,11 @@ def build(engine: Engine) -> gr.Blocks:
                     top_p = gr.Slider(0.05, 1.0, value=saved["top_p"], step=0.05, label="Top-p")
                     max_new = gr.Slider(16, 2048, value=saved["max_new_tokens"], step=16, label="Max new tokens")
                     tree = gr.Dropdown(
-                        ["(model default)", *trees],
-                        value=saved["tree"] or "(model default)",
-                        label="Tree preset",
-                    )
+                        [("Auto: chosen each step for this machine", AUTO),
+                         ("The model's calibrated tree", "(model default)"), *trees],
+                        value=saved["tree"] or AUTO, label="Tree", elem_id="tree",
+                        info="Auto prices every tree (plain decoding included) with this machine's measured costs",
+                    )  # fmt: skip
                     drafter = gr.Dropdown(
                         [("The tree's own", ""), ("Heads + context (hybrid)", "hybrid"), ("Medusa heads", "medusa"),
                          ("Context lookup", "lookup")],
@@ -178,7 +180,9 @@ def build(engine: Engine) -> gr.Blocks:
             )  # fmt: skip
 
         def tree_of(choice: str) -> str:
-            return engine.require().default_tree if choice in ("", "(model default)") else choice
+            if choice in ("", AUTO):
+                return AUTO
+            return engine.require().default_tree if choice == "(model default)" else choice
 
         def run_turn(s: Session, sys_prompt, dec, acc, eps, dlt, temp, tp, mx, tr, drf, col):
             """Stream the reply to the chat's last turn; save it when it ends."""
@@ -193,7 +197,8 @@ def build(engine: Engine) -> gr.Blocks:
             if medusa:
                 preset = engine.drafter(tree_name, drf or None)[0]
                 kind = drf or preset.drafter
-                depth = preset.tree.max_depth if kind != "lookup" else preset.lookup_length
+                heads = engine.require().heads.num_heads if tree_name == AUTO else preset.tree.max_depth
+                depth = max(heads if kind != "lookup" else 0, preset.lookup_length if kind != "medusa" else 0)
             s.stop.clear()
             s.events, s.max_depth, s.prompt = [], depth, fitted.ids
             events = engine.generate(fitted.ids, settings, kind, tree_name, s.stop.is_set)
@@ -396,6 +401,11 @@ def build(engine: Engine) -> gr.Blocks:
                 return f"<p>Step {e.step} is the prefill: the model's first token, no tree.</p>"
             tokens = [engine.token_text(t) for t in e.draft]
             head = f"<p>Step {e.step}: {e.tree_size} candidates verified, {e.accepted} drafted accepted.</p>"
+            if e.choice:  # the policy's reason and its expectation, next to what happened
+                head += html.escape(
+                    f"Policy: {e.choice} (expected {e.expected_tokens:.2f} tokens in {e.expected_ms:.1f} ms; "
+                    f"got {len(e.token_ids)} in {1000 * e.seconds:.1f} ms)."
+                ).join(("<p>", "</p>"))
             return head + tree_html(e.parents, tokens, e.path, e.node_sources)
 
         step_pick.change(inspect, [step_pick, session], inspector)
@@ -444,7 +454,7 @@ def build(engine: Engine) -> gr.Blocks:
 
 
 def _tree_setting(choice: str) -> str:
-    return "" if choice == "(model default)" else choice
+    return "" if choice == AUTO else choice
 
 
 def _conversation(turns: list[store.Turn], message: str) -> list[dict]:

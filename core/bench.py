@@ -42,6 +42,8 @@ class Run:
     seconds: float
     draft_seconds: float = 0.0  # time spent building trees (tree modes)
     token_ids: tuple[int, ...] = ()  # the reply, to compare with the plain loop's
+    nodes: int = 0  # verify-forward tokens over the decode steps (tree modes and baseline)
+    plain_steps: int = 0  # decode steps whose tree was the root alone
 
 
 @dataclass(frozen=True)
@@ -55,14 +57,26 @@ class Summary:
     draft_share: float = 0.0  # share of the time spent building trees (tree modes)
     exact: int | None = None  # prompts whose reply equals the plain loop's token for token (None: no baseline run)
     first_difference: float | None = None  # mean position of the first differing token, over the prompts that differ
+    mean_nodes: float = 0.0  # tree modes: mean verify-forward size of a decode step (1 = plain)
+    plain_share: float = 0.0  # tree modes: share of decode steps the policy (or tree) ran plain
 
 
 def check_modes(modes: Iterable[str]) -> tuple[str, ...]:
+    """The modes asked for: MODES, or DRAFTER@PRESET (that drafter on a fixed tree preset)."""
     modes = tuple(m.strip() for m in modes if m.strip())
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if m not in MODES and not is_fixed(m)]
     if unknown or not modes:
-        raise UserError(f"Unknown bench mode {', '.join(unknown) or '(none)'}; choose from {', '.join(MODES)}.")
+        raise UserError(
+            f"Unknown bench mode {', '.join(unknown) or '(none)'}; choose from {', '.join(MODES)} "
+            "or DRAFTER@PRESET such as hybrid@cpu-8."
+        )
     return modes
+
+
+def is_fixed(mode: str) -> bool:
+    """A DRAFTER@PRESET mode: tree decoding on a fixed preset, to compare with the policy's choice."""
+    kind, at, preset = mode.partition("@")
+    return bool(at) and kind in TREE_MODES and bool(preset)
 
 
 def run_once(
@@ -75,13 +89,14 @@ def run_once(
     seed: int,
     peers: dict[str, Peer] | None = None,
     stock: dict[str, PreTrainedModel] | None = None,
-) -> tuple[int, int, float, float, tuple[int, ...]]:
-    """(tokens, steps, seconds, seconds spent drafting, the reply) of one reply in one mode.
+) -> tuple[int, int, float, float, tuple[int, ...], int, int]:
+    """(tokens, steps, seconds, seconds spent drafting, the reply, verify nodes, plain steps) of one
+    reply in one mode (the last two 0 outside our loop).
     `stock`: the unmodified model for each transformers mode (default: `model`)."""
     if mode in PEERS:  # one token per forward
         reply, seconds = (peers or {})[mode](prompt_ids, settings, eos_ids)
-        return len(reply), len(reply), seconds, 0.0, reply
-    if mode in (*TREE_MODES, "baseline"):
+        return len(reply), len(reply), seconds, 0.0, reply, 0, 0
+    if mode == "baseline" or mode in drafters:
         generator = torch.Generator(model.device).manual_seed(seed)
         events, done = collect(
             stream(
@@ -95,9 +110,11 @@ def run_once(
             )
         )
         drafting = sum(e.draft_seconds for e in events)
-        return len(done.token_ids), done.steps, done.seconds, drafting, done.token_ids
+        nodes = sum(max(e.tree_size, 1) for e in events[1:])
+        plain = sum(e.tree_size <= 1 for e in events[1:])
+        return len(done.token_ids), done.steps, done.seconds, drafting, done.token_ids, nodes, plain
     reply, steps, seconds = _run_hf(mode, (stock or {}).get(mode, model), prompt_ids, settings, eos_ids, seed)
-    return len(reply), steps, seconds, 0.0, reply
+    return len(reply), steps, seconds, 0.0, reply, 0, 0
 
 
 def _run_hf(
@@ -168,11 +185,33 @@ def summarize(runs: list[Run]) -> dict[str, Summary]:
         seconds = sum(r.seconds for r in mine)
         drafting = sum(r.draft_seconds for r in mine)
         exact, first = fidelity([(r.token_ids, plain[r.prompt]) for r in mine if r.prompt in plain])
+        decode_steps = max(steps - len(mine), 1)  # the prefills are not decode steps
         out[mode] = Summary(
             tokens, steps, seconds, tokens / seconds, tokens / steps, 1000 * seconds / steps, drafting / seconds,
-            exact if plain else None, first,
+            exact if plain else None, first, sum(r.nodes for r in mine) / decode_steps,
+            sum(r.plain_steps for r in mine) / decode_steps,
         )  # fmt: skip
     return out
+
+
+def by_category(runs: list[Run], categories: list[str]) -> dict[str, dict[str, Summary]]:
+    """`summarize` over each category's prompts (`categories[i]` labels prompt i)."""
+    return {c: summarize([r for r in runs if categories[r.prompt] == c]) for c in dict.fromkeys(categories) if c}
+
+
+def category_table(per: dict[str, dict[str, Summary]], of: str, ref: str = "baseline") -> str:
+    """Tokens/s of every mode per category, and `of` relative to `ref` (its worst category marked)."""
+    if not per:
+        return ""
+    modes = list(next(iter(per.values())))
+    lines = [f"{'category':<12}" + "".join(f"{m[:14]:>15}" for m in modes) + f"{of[:10] + ' × ' + ref[:8]:>22}"]
+    for cat, summary in per.items():
+        ratio = (
+            summary[of].tokens_per_second / summary[ref].tokens_per_second if of in summary and ref in summary else 0
+        )
+        cells = "".join(f"{summary[m].tokens_per_second:>15.1f}" for m in modes)
+        lines.append(f"{cat[:12]:<12}{cells}{ratio:>21.2f}×")
+    return "\n".join(lines)
 
 
 def fidelity(pairs: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> tuple[int, float | None]:
@@ -201,9 +240,9 @@ def table(summary: dict[str, Summary], prompts: int) -> str:
     """One row per mode; then its speed relative to `hf` and `baseline`, how many of the
     `prompts` replies equal the plain loop's token for token, and where the others first differ."""
     refs = [m for m in ("hf", "hf-bf16", "baseline") if m in summary]
-    header = ["mode", "tokens", "steps", "tok/step", "step ms", "draft %", "seconds", "tok/s"]
+    header = ["mode", "tokens", "steps", "tok/step", "nodes", "step ms", "draft %", "seconds", "tok/s"]
     header += [f"× {m}" for m in refs] + ["= plain", "1st diff"]
-    widths = [10, 8, 8, 10, 9, 9, 9, 8] + [11] * len(refs) + [9, 9]
+    widths = [22, 8, 8, 10, 7, 9, 9, 9, 8] + [11] * len(refs) + [9, 9]
     cells = zip(header, widths, strict=True)
     lines = ["".join(f"{h:<{w}}" if i == 0 else f"{h:>{w}}" for i, (h, w) in enumerate(cells))]
     for mode, s in summary.items():
@@ -211,7 +250,7 @@ def table(summary: dict[str, Summary], prompts: int) -> str:
         exact = "—" if s.exact is None else f"{s.exact}/{prompts}"
         first = "—" if s.first_difference is None else f"{s.first_difference:.1f}"
         lines.append(
-            f"{mode:<10}{s.tokens:>8}{s.steps:>8}{s.tokens_per_step:>10.2f}{s.step_ms:>9.1f}"
+            f"{mode:<22}{s.tokens:>8}{s.steps:>8}{s.tokens_per_step:>10.2f}{s.mean_nodes or 0:>7.1f}{s.step_ms:>9.1f}"
             f"{100 * s.draft_share:>9.1f}{s.seconds:>9.1f}{s.tokens_per_second:>8.1f}{ratios}{exact:>9}{first:>9}"
         )
     return "\n".join(lines)

@@ -41,6 +41,9 @@ class StepEvent:
     parents: tuple[int, ...] = ()  # the tree's shape: parent of each node (the root its own)
     node_sources: tuple[str, ...] = ()  # per tree node: "root", "heads", "context" or "both"
     draft_seconds: float = 0.0  # of `seconds`, the time the drafter took to build this step's tree
+    choice: str = ""  # why this tree (an adaptive drafter's reason; empty for fixed trees)
+    expected_tokens: float = 0.0  # what the drafter expected this step to return (0: no estimate)
+    expected_ms: float = 0.0  # and to cost
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,14 @@ def stream(
     cache = kv.new_cache(model)
 
     def event(
-        step: int, new: list[int], accepted: int, path: Tensor, draft: Draft | None, t0: float, drafting: float = 0.0
+        step: int,
+        new: list[int],
+        accepted: int,
+        path: Tensor,
+        draft: Draft | None,
+        t0: float,
+        drafting: float = 0.0,
+        choice=None,
     ) -> StepEvent:
         now = time.perf_counter()
         nodes = path.tolist()
@@ -103,6 +113,8 @@ def stream(
             draft.tree.size, now - t0, len(out) / (now - start),
             sources=tuple(kinds[i] for i in nodes[1:]), parents=tuple(draft.tree.parent.tolist()), node_sources=kinds,
             draft_seconds=drafting,
+            choice=choice.reason if choice else "", expected_tokens=choice.expected_tokens if choice else 0.0,
+            expected_ms=choice.expected_ms if choice else 0.0,
         )  # fmt: skip
 
     with torch.inference_mode():
@@ -127,6 +139,7 @@ def stream(
             step += 1
             prefix_len = kv.length(cache)
             draft = drafter.propose(hidden, root, history)
+            choice = getattr(drafter, "last_choice", None)
             if prefix_len + draft.tree.max_depth >= context:  # the tree would need positions the model lacks
                 draft = plain.propose(hidden, root)
             drafting = time.perf_counter() - t0
@@ -135,10 +148,12 @@ def stream(
             commit(cache, prefix_len, result)
             hidden, root = fwd.hidden[result.path[-1]], result.next_token
             tokens = torch.cat([draft.tokens[result.path[1:]], root.view(1)]).tolist()
+            if observe := getattr(drafter, "observe", None):  # adaptive drafters learn from each step
+                observe(draft, tokens, time.perf_counter() - t0)
             new, reason = _trim(tokens, out, eos, limit)
             out += new
             history += new
-            yield (e := event(step, new, result.accepted, result.path, draft, t0, drafting))
+            yield (e := event(step, new, result.accepted, result.path, draft, t0, drafting, choice))
             reason = reason or _stopped(detok.text, e.text, settings.stop)
 
     # 3) finish

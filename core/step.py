@@ -41,6 +41,10 @@ class Drafter(Protocol):
         backbone's next token (the tree's root); history: prompt and reply so far, root last."""
         ...
 
+    # A drafter that adapts also has `observe(draft, emitted, seconds)`, called after the step
+    # that verified `draft` with the tokens it emitted (accepted drafts, then the backbone's own)
+    # and its wall time.
+
 
 class NoDrafter:
     """Plain decoding: a tree of the root alone, one token per step."""

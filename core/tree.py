@@ -26,6 +26,7 @@ Path_ = tuple[int, ...]
 SOURCES = ("root", "heads", "context", "both")  # where a node's token came from
 DRAFT_SOURCES = SOURCES[1:]  # where an accepted drafted token came from
 DRAFTERS = ("medusa", "lookup", "hybrid")  # heads only, context only, both in one tree
+AUTO = "auto"  # the tree name that lets the speculation policy choose each step's tree (the default)
 ROOT, HEADS, CONTEXT, BOTH = range(4)
 
 
@@ -194,6 +195,8 @@ class Preset:
     drafter: str = "medusa"
     lookup_branches: int = 2  # continuations copied from the context per step
     lookup_length: int = 4  # tokens per continuation
+    top1: tuple[float, ...] = ()  # calibrated trees: how often each head's first choice was right
+    top10: tuple[float, ...] = ()  # and how often one of its ten first choices was
 
 
 def load_preset(name_or_file: str) -> Preset:
@@ -222,7 +225,11 @@ def load_preset(name_or_file: str) -> Preset:
             f"Tree file {file} has a bad drafter or lookup setting; use drafter medusa, lookup or hybrid "
             "and lookup branches and length from 1 to 16."
         )
-    return Preset(file.stem, build_tree(data.get("paths")), drafter, branches, length)
+    calibration = data.get("calibration") or {}
+    top1, top10 = calibration.get("top1") or (), calibration.get("top10") or ()
+    if not all(isinstance(a, (int, float)) and 0 <= a <= 1 for a in (*top1, *top10)):
+        top1 = top10 = ()  # figures that make no sense are not a prior
+    return Preset(file.stem, build_tree(data.get("paths")), drafter, branches, length, tuple(top1), tuple(top10))
 
 
 def load_tree(name_or_file: str) -> tuple[str, TreeBuffers]:

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from core import fast
 from core.errors import UserError
-from core.tune import kernels
+from core.tune import costs, kernels
 from models import catalog, hub
 from models.cpu import transpose_linears
 from models.embedded import EMBEDDED_ID, cache_dir, embedded_dir
@@ -304,3 +304,11 @@ def heads_for(backbone: Backbone, heads_dir: str | Path | None, num_heads: int =
     vocab, hidden = lm_head.weight.shape
     heads = MedusaHeads(hidden, vocab, num_heads, 1, lm_head)
     return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype).eval(), False
+
+
+def step_costs(backbone: Backbone, heads: MedusaHeads | None) -> costs.StepCosts:
+    """This machine's step-cost curve for the loaded model, remembered from an earlier launch
+    (`needed` if not: the caller measures it when the model is idle)."""
+    model = backbone.model
+    key = costs.curve_key(model, fast.describe(model), heads is not None)
+    return costs.StepCosts(model, heads, costs.CurveStore(cache_dir() / "step-costs"), key)

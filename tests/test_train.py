@@ -7,9 +7,9 @@ import sys
 import pytest
 import torch
 
-from core import train
 from core.generate import collect, stream
 from core.settings import DecodeSettings
+from core.tune import train
 from models.heads import MedusaHeads, load_heads
 from tests.helpers import tiny_model
 

@@ -8,7 +8,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from app.cli.options import decoding_options, read_prompts, setup
+from app.cli.options import decoding_options, read_labelled, setup
 from core.errors import UserError
 
 HELP = "compare decoding modes on a prompt file (the table on stdout)"
@@ -33,19 +33,35 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from core import fast
-    from core.bench import STOCK_DTYPES, TREE_MODES, check_modes, run_bench, speedups, summarize, table
-    from core.tree import load_preset
+    from core.bench import (
+        STOCK_DTYPES,
+        TREE_MODES,
+        by_category,
+        category_table,
+        check_modes,
+        is_fixed,
+        run_bench,
+        speedups,
+        summarize,
+        table,
+    )
+    from core.tree import AUTO, load_preset
     from core.tune.kernels import native_bf16
     from models.loader import load_stock
 
     if args.modes:
         modes = check_modes(args.modes.split(","))
     else:
-        default = args.drafter or (load_preset(args.tree).drafter if args.tree else None)
+        default = args.drafter or (load_preset(args.tree).drafter if args.tree != AUTO else None)
         bf16 = ("hf-bf16",) if native_bf16() or torch.cuda.is_available() else ()  # stock's fastest dtype too
         modes = (default or "default", "baseline", "hf", *bf16, "hf-pld")
-    prompts = read_prompts(args.prompts)
-    settings, backbone, drafters, preset = setup(args, tuple(m for m in modes if m in TREE_MODES) or None)
+    labelled = read_labelled(args.prompts)
+    prompts, categories = [p for p, _ in labelled], [c for _, c in labelled]
+    kinds = tuple(m for m in modes if m in TREE_MODES)
+    fixed = tuple(m for m in modes if is_fixed(m))
+    settings, backbone, drafters, preset, costs = setup(args, kinds if kinds or fixed else None, fixed)
+    if costs is not None:  # measured before anything else runs, so nothing distorts it
+        costs.measure()
     if "default" in modes:  # the model's own drafter
         modes = (next(iter(drafters)), *modes[1:])
     peers = {}
@@ -73,19 +89,24 @@ def run(args: argparse.Namespace) -> int:
         encoded, modes, backbone.model, settings, drafters, backbone.eos_ids, args.seed, progress, peers, stock
     )
     summary = summarize(runs)
+    per_category = by_category(runs, categories)
     print(table(summary, len(prompts)))
+    if per_category:
+        print()
+        print(category_table(per_category, modes[0]))
     if args.json_out:
         report = {
             "model": args.model,
             "dtype": str(backbone.model.dtype).removeprefix("torch."),
             "forward": fast.describe(backbone.model),
-            "tree": preset.name,
+            "tree": args.tree if args.tree == AUTO else preset.name,
             "lookup": {"branches": preset.lookup_branches, "length": preset.lookup_length},
             "settings": asdict(settings),
             "prompts": len(prompts),
             "summary": {m: asdict(s) for m, s in summary.items()},
             "speedup": speedups(summary, modes[0]),
-            "speedups": {m: speedups(summary, m) for m in modes if m in TREE_MODES},
+            "speedups": {m: speedups(summary, m) for m in modes if m in TREE_MODES or is_fixed(m)},
+            "categories": {c: {m: asdict(s) for m, s in per.items()} for c, per in per_category.items()},
             "runs": [asdict(r) for r in runs],
         }
         Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

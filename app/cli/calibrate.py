@@ -31,12 +31,12 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm.auto import tqdm
 
-    from core import calibrate as cal
-    from core import train
     from core.drafters import LookupDrafter, MedusaDrafter
     from core.settings import DecodeSettings
     from core.step import NoDrafter
     from core.tree import build_tree
+    from core.tune import calibrate as cal
+    from core.tune import train
     from models.loader import heads_for, load_backbone, resolve, resolve_heads
 
     try:

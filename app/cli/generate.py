@@ -8,6 +8,7 @@ import sys
 
 from app.cli.options import decoding_options, setup
 from core.errors import UserError
+from core.tree import AUTO
 
 HELP = "answer one prompt (the reply on stdout; with --json one JSON object)"
 
@@ -30,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("The prompt is empty; pass --prompt with some text.")
     if args.num_samples < 1:
         raise UserError(f"--num-samples must be at least 1, got {args.num_samples}.")
-    settings, backbone, drafters, preset = setup(args, None if args.mode == "medusa" else ())
+    settings, backbone, drafters, preset, costs = setup(args, None if args.mode == "medusa" else ())
     drafter = next(iter(drafters.values()), None)
     prompt_ids = backbone.encode_chat(args.prompt, args.system)
     generator = torch.Generator(backbone.model.device).manual_seed(args.seed)
@@ -70,12 +71,14 @@ def run(args: argparse.Namespace) -> int:
                 f"first token {1000 * done.first_token_seconds:.0f} ms, finished by {done.finish_reason}]",
                 file=sys.stderr,
             )
+    if costs:  # after the reply, never before it: the first launch measures this machine for later ones
+        costs.measure()
     if args.json:
         result = {
             "model": args.model,
             "mode": args.mode,
             "drafter": next(iter(drafters), None),
-            "tree": preset.name,
+            "tree": args.tree if args.tree == AUTO else preset.name,
             "acceptance": args.acceptance,
             "samples": samples,
         }

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from core.errors import UserError
 from core.settings import ACCEPTANCE_RULES, DecodeSettings
-from core.tree import DRAFTERS
+from core.tree import AUTO, DRAFTERS
 
 
 def model_options(p: argparse.ArgumentParser, heads: bool = True) -> None:
@@ -36,7 +36,9 @@ def decoding_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--epsilon", type=finite, default=0.09, help="typical: probability threshold ε")
     p.add_argument("--delta", type=finite, default=0.3, help="typical: entropy threshold δ")
-    p.add_argument("--tree", help="tree preset name or JSON file (default: the model's)")
+    p.add_argument(
+        "--tree", default=AUTO, help="auto (each step's tree chosen from this machine's costs), a preset or a JSON file"
+    )
     p.add_argument(
         "--drafter",
         choices=DRAFTERS,
@@ -85,39 +87,58 @@ def settings(args: argparse.Namespace) -> DecodeSettings:
     )
 
 
-def setup(args: argparse.Namespace, kinds: tuple[str, ...] | None):
-    """Validate cheap things first, then load: (settings, backbone, {drafter kind: drafter}, preset).
+def setup(args: argparse.Namespace, kinds: tuple[str, ...] | None, fixed: tuple[str, ...] = ()):
+    """Validate cheap things first, then load: (settings, backbone, {drafter: drafter}, preset, costs).
 
-    `kinds` None means the drafter chosen by --drafter or, failing that, by the tree preset."""
+    `kinds` None means the drafter chosen by --drafter or, failing that, by the model's preset.
+    With --tree auto each kind gets the speculation policy; `fixed` adds "KIND@PRESET" drafters
+    on a fixed tree (bench compares them)."""
     from core.drafters import make_drafter
     from core.tree import load_preset, preset_names
-    from models.loader import heads_for, load_backbone, resolve, resolve_heads
+    from core.tune.policy import auto_drafter
+    from models.loader import heads_for, load_backbone, resolve, resolve_heads, step_costs
 
     decode = settings(args)
-    chosen = load_preset(args.tree) if args.tree else None  # a bad tree is refused before any download
+    auto = args.tree in (None, AUTO)
+    chosen = None if auto else load_preset(args.tree)  # a bad tree is refused before any download
+    fixed_presets = {f: load_preset(f.partition("@")[2]) for f in fixed}
     spec = resolve(args.model)
     preset = chosen or load_preset(spec.tree if spec.tree in preset_names() else "cpu-16")
     kinds = kinds if kinds is not None else (args.drafter or preset.drafter,)
-    need_heads = any(k in ("medusa", "hybrid") for k in kinds)
+    kinds_all = (*kinds, *(f.partition("@")[0] for f in fixed))
+    need_heads = any(k in ("medusa", "hybrid") for k in kinds_all)
     heads_dir = (resolve_heads(args.heads) if args.heads else spec.heads_folder) if need_heads else None
     backbone = load_backbone(args.model, args.dtype, args.device, args.quantization, spec=spec)
-    heads = None
+    heads, trained = None, False
     if need_heads:
-        heads, trained = heads_for(backbone, heads_dir, num_heads=max(preset.tree.max_depth, 4))
+        depth = max([preset.tree.max_depth, *(p.tree.max_depth for p in fixed_presets.values()), 4])
+        heads, trained = heads_for(backbone, heads_dir, num_heads=depth)
         if not trained:
             print(
                 "warning: no trained Medusa heads for this model, so drafts are rarely accepted; pass --heads FOLDER.",
                 file=sys.stderr,
             )
-    tree = preset.tree.to(backbone.model.device)
-    drafters = {
-        k: make_drafter(k, heads, tree, f"Tree '{preset.name}'", preset.lookup_branches, preset.lookup_length)
-        for k in kinds
-    }
-    return decode, backbone, drafters, preset
+    device = backbone.model.device
+
+    def fixed_drafter(kind: str, p):
+        return make_drafter(kind, heads, p.tree.to(device), f"Tree '{p.name}'", p.lookup_branches, p.lookup_length)
+
+    costs = None  # the machine's step-cost curve, measured in the background when not yet known
+    if auto and kinds:
+        costs = step_costs(backbone, heads if any(k in ("medusa", "hybrid") for k in kinds) else None)
+        drafters = {k: auto_drafter(k, heads, costs.curve, preset, trained) for k in kinds}
+    else:
+        drafters = {k: fixed_drafter(k, preset) for k in kinds}
+    drafters |= {f: fixed_drafter(f.partition("@")[0], p) for f, p in fixed_presets.items()}
+    return decode, backbone, drafters, preset, costs
 
 
 def read_prompts(file: str) -> list[str]:
+    return [prompt for prompt, _ in read_labelled(file)]
+
+
+def read_labelled(file: str) -> list[tuple[str, str]]:
+    """(prompt, category) per non-empty line of a JSONL file; the category is "" where none is given."""
     path = Path(file).expanduser()
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -128,12 +149,13 @@ def read_prompts(file: str) -> list[str]:
         if not line.strip():
             continue
         try:
-            prompt = json.loads(line)["prompt"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+            record = json.loads(line)
+            prompt, category = record["prompt"], record.get("category", "")
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
             raise UserError(f'Line {n} of {path} is not a JSON object with a "prompt"; fix that line.') from None
         if not isinstance(prompt, str) or not prompt.strip():
             raise UserError(f'Line {n} of {path} has an empty "prompt"; fill it or remove the line.')
-        prompts.append(prompt)
+        prompts.append((prompt, category if isinstance(category, str) else str(category)))
     if not prompts:
         raise UserError(f'{path} holds no prompts; add lines like {{"prompt": "Hello"}}.')
     return prompts

@@ -22,8 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from core import fast, profile
+    from core import fast
     from core.drafters import MedusaDrafter
+    from core.tune import profile
     from models.loader import heads_for, load_backbone, resolve, resolve_heads
 
     try:

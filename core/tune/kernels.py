@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from core import fast
-from core.profile import cpu_flags, machine
+from core.tune.profile import cpu_flags, machine
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ROWS = (1, 8)  # a plain step and a typical tree step

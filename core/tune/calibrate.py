@@ -26,8 +26,8 @@ from torch import Tensor
 
 from core import cache as kv
 from core.lookup import NgramIndex
-from core.profile import time_ms
 from core.step import Draft, accept, commit, prefill, verify
+from core.tune.profile import time_ms
 
 # -- 1) positions -----------------------------------------------------------------------------
 

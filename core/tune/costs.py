@@ -1,0 +1,177 @@
+"""This machine's step-cost curve for a loaded model: measured once, remembered, re-measured when needed.
+
+The speculation policy needs what a verify step of n nodes costs here, against a one-node step,
+and what drafting with the heads costs. `measure` times whole steps (verify → accept → commit)
+of the profile's tree shapes on a real cache, a few seconds in all. `CurveStore` keeps one file
+per model, dtype, forward, device, CPU kernels, threads and torch version, so a second launch
+measures nothing; a file that is unreadable, from another format or for another machine is
+measured again (one sentence on stderr). `StepCosts.steps` measures one size at a time, so the
+chat can answer between sizes: the policy decodes with a cautious prior curve until the
+measured one is there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from core import cache as kv
+from core.settings import DecodeSettings
+from core.step import Draft, NoDrafter, accept, commit, prefill, verify
+from core.tune.policy import RANKS, CostCurve
+from core.tune.profile import machine, shaped_tree
+
+SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # node counts measured (the policy interpolates between them)
+CONTEXT = 128  # tokens already in the cache while timing (a short conversation)
+FORMAT = 1  # bump when the file's meaning changes: older files are measured again
+BUDGET_S = 15.0  # measuring stops adding sizes after this long (the largest are then extrapolated)
+
+
+def curve_key(model, describe: str, heads: bool) -> str:
+    """Everything a measured curve depends on."""
+    name = getattr(model.config, "_name_or_path", "") or model.config.model_type
+    dtype = str(model.dtype).removeprefix("torch.")
+    return f"{name}|{dtype}|{describe}|heads={heads}|{machine(model.device).key}"
+
+
+def measure(model, heads, repeats: int = 3, budget_s: float = BUDGET_S) -> Iterator[CostCurve | None]:
+    """Whole steps of each size in `SIZES` after a `CONTEXT`-token prompt (the fastest of
+    `repeats`), then the heads' drafting time (0 without heads). Yields None after each size, so
+    a caller can let other work run in between, and the curve last. Run it on the thread that
+    runs the model: with OpenMP, a second thread's kernels run about half as fast."""
+    device = model.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    vocab = model.config.get_text_config().vocab_size
+    context = [(7919 * i) % vocab for i in range(1, CONTEXT + 1)]  # any real token ids
+    settings = DecodeSettings()
+    cache = kv.new_cache(model)
+    spent = 0.0
+    with torch.inference_mode():
+        fwd = prefill(model, cache, torch.tensor(context, device=device))
+    past = kv.length(cache)
+    hidden, root = fwd.hidden[-1], torch.tensor(context[-1], device=device)
+    steps: dict[int, float] = {}
+    for n in SIZES:
+        if steps and spent > budget_s:
+            break
+        t0 = time.perf_counter()
+        draft = Draft(torch.tensor(context[:n], device=device), shaped_tree(n).to(device))
+        if n == 1:
+            draft = NoDrafter(device).propose(hidden, root)
+        with torch.inference_mode():
+            steps[n] = _best_ms(lambda d=draft: _step(model, cache, past, d, settings), repeats, sync)
+        spent += time.perf_counter() - t0
+        yield None
+    heads_ms = 0.0
+    if heads is not None:
+        with torch.inference_mode():
+            heads_ms = _best_ms(lambda: heads.candidates(hidden, heads.num_heads, RANKS), repeats, sync)
+    yield CostCurve(steps, heads_ms)
+
+
+def _step(model, cache, past: int, draft: Draft, settings: DecodeSettings) -> None:
+    commit(cache, past, accept(verify(model, cache, draft), draft, settings, None))
+    kv.truncate(cache, past)
+
+
+def _best_ms(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
+    fn()
+    sync()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 1000 * best
+
+
+class CurveStore:
+    """Measured curves on disk, one JSON file per key."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def path(self, key: str) -> Path:
+        return self.folder / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+    def load(self, key: str, say: Callable[[str], None] = lambda s: None) -> CostCurve | None:
+        """The stored curve for `key`; None (and one sentence through `say`) if it is missing or unusable."""
+        path = self.path(key)
+        if not path.exists():
+            return None
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if data.get("format") != FORMAT or data.get("key") != key:
+                raise ValueError("stale")
+            steps = {int(n): float(ms) for n, ms in data["step_ms"].items()}
+            heads_ms = float(data["heads_ms"])
+            if 1 not in steps or not all(math.isfinite(v) and v > 0 for v in steps.values()) or heads_ms < 0:
+                raise ValueError("bad figures")
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+            reason = "from another version" if str(e) == "stale" else "damaged"
+            say(f"The stored step-cost profile {path.name} is {reason}; measuring this machine again.")
+            path.unlink(missing_ok=True)
+            return None
+        return CostCurve(steps, heads_ms)
+
+    def save(self, key: str, curve: CostCurve) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.path(key)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        data = {"format": FORMAT, "key": key, "step_ms": curve.step_ms, "heads_ms": curve.heads_ms}
+        tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+        os.replace(tmp, path)
+
+
+def _stderr(text: str) -> None:
+    print(text, file=sys.stderr)
+
+
+class StepCosts:
+    """The curve for one loaded model: from the store, else None until `measure` (or every step of
+    `steps`) has run, which saves it."""
+
+    def __init__(self, model, heads, store: CurveStore, key: str, say: Callable[[str], None] = _stderr) -> None:
+        self.model, self.heads, self.store, self.key, self.say = model, heads, store, key, say
+        self._curve = store.load(key, say)
+        self.seconds: float | None = None  # how long measuring took (None: loaded from the store)
+
+    def curve(self) -> CostCurve | None:
+        return self._curve
+
+    @property
+    def needed(self) -> bool:
+        return self._curve is None
+
+    def steps(self) -> Iterator[None]:
+        """Measure, one tree size per item (the caller may run other work between items)."""
+        self.say("measuring what a decoding step costs on this machine (once, a few seconds)…")
+        t0 = time.perf_counter()
+        curve = None
+        try:
+            for curve in measure(self.model, self.heads):
+                if curve is None:
+                    yield None
+            self.store.save(self.key, curve)
+        except (RuntimeError, OSError, ValueError) as e:  # the policy keeps its prior curve
+            self.say(f"Measuring the step cost failed ({type(e).__name__}: {e}); speculation stays cautious.")
+            return
+        self.seconds = time.perf_counter() - t0
+        self._curve = curve
+        self.say(f"step cost measured in {self.seconds:.1f} s")
+
+    def measure(self) -> CostCurve | None:
+        """Measure now, in this thread, if not known yet."""
+        if self.needed:
+            for _ in self.steps():
+                pass
+        return self._curve

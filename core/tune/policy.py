@@ -1,0 +1,282 @@
+"""The online speculation policy: each step's tree chosen from this machine's cost curve and
+the acceptance seen so far in this reply.
+
+A tree pays only when the tokens it is expected to return outweigh what its verify forward
+costs over a one-token step; both sides change with the machine (a step's cost by tree size,
+measured by `costs`) and with the text (heads guess fluent prose well, context lookup pays
+on extraction and editing, neither on hard reasoning). So before every forward `Policy.choose`
+prices each option, plain decoding included, and takes the fastest; after it
+`Policy.observe` updates the estimates from what was accepted:
+
+- heads: a running estimate of how often head k's rank-r candidate is the next token
+  (k + 1 ahead), seeded from the calibration; the best tree of every budget is the greedy
+  tree of §3.3.3 on those estimates, and its expected accepted tokens the sum of its paths'
+  probabilities (the independence estimate `calibrate` uses offline);
+- context: how many tokens the lookup's best continuation matched, when it found one;
+- cost: the curve's step time by node count, scaled by how plain and tree steps actually ran
+  (two scales: a curve measured while something else ran is wrong in shape, not only in size).
+
+Plain decoding stays one of the choices, and every `EXPLORE_EVERY` steps without heads the
+policy drafts with them once, so it can come back from plain when the text turns easier.
+The tree is fixed before the forward, so every acceptance rule stays exact.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from core.lookup import NgramIndex
+from core.step import Draft
+from core.tree import CONTEXT, Preset, TreeBuffers, build_tree, graft
+
+MAX_BUDGET = 32  # head nodes the policy may draft (the root not counted)
+EXPLORE_EVERY = 16  # after this many steps without heads, draft with them once
+HEADS_RATE = 0.05  # weight of one step in the heads' running accuracy
+CONTEXT_RATE = 0.2  # weight of one lookup in the context's running match length
+COST_RATE = 0.1  # weight of one step in the running cost scales
+MARGIN = 1.03  # a tree must be expected this much faster than plain decoding to be chosen
+RANKS = 10  # candidates per head the policy reads
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """What one step costs on this machine: verify + accept + commit by node count, and the heads."""
+
+    step_ms: dict[int, float]  # node count (root included) → ms
+    heads_ms: float  # the heads' forward and top-k, paid by every step that drafts with them
+
+    def at(self, nodes: float) -> float:
+        """Step time at a node count, linear between measured sizes (and beyond the last two)."""
+        xs = sorted(self.step_ms)
+        if nodes <= xs[0] or len(xs) == 1:
+            return self.step_ms[xs[0]]
+        pairs = list(itertools.pairwise(xs))
+        a, b = next(((a, b) for a, b in pairs if nodes <= b), pairs[-1])  # the last pair extrapolates
+        ya, yb = self.step_ms[a], self.step_ms[b]
+        return ya + (yb - ya) * (nodes - a) / (b - a)
+
+
+# Before this machine's curve is measured: a steep guess (a many-row forward costs 20 % more a
+# node), so the policy risks little until it knows better.
+PRIOR_CURVE = CostCurve({1: 1.0, 64: 13.6}, 0.2)
+
+
+@dataclass(frozen=True)
+class Choice:
+    budget: int  # head nodes drafted (0: none)
+    lookup: bool  # context continuations grafted under the root
+    nodes: int  # the verify forward's node count, root included
+    expected_tokens: float  # tokens this step is expected to return
+    expected_ms: float  # what it is expected to cost
+    reason: str  # why, in a few words (shown in the step inspector)
+
+    @property
+    def plain(self) -> bool:
+        return self.nodes == 1
+
+
+def prior_accuracy(heads: int, top1: Sequence[float] = (), top10: Sequence[float] = ()) -> Tensor:
+    """(heads, RANKS) starting guess of each head's rank accuracies: the calibration's top-1 and
+    top-10 where known (the rest spread over ranks 2…10, halving each rank), a modest guess elsewhere."""
+    acc = torch.zeros(heads, RANKS)
+    weights = torch.tensor([0.5**r for r in range(RANKS - 1)])
+    for k in range(heads):
+        one = top1[k] if k < len(top1) else 0.3 * 0.6**k
+        ten = top10[k] if k < len(top10) else 2 * one
+        acc[k, 0] = one
+        acc[k, 1:] = max(ten - one, 0.0) * weights / weights.sum()
+    return acc
+
+
+class Policy:
+    """Chooses each step's tree; see the module's docstring. `curve()` gives the machine's cost
+    curve, or None while it is being measured (then `PRIOR_CURVE` is used)."""
+
+    def __init__(
+        self,
+        curve: Callable[[], CostCurve | None],
+        accuracy: Tensor | None,
+        use_heads: bool = True,
+        use_lookup: bool = True,
+    ) -> None:
+        self.curve = curve
+        self.accuracy = accuracy.clone() if accuracy is not None else torch.zeros(0, RANKS)
+        self.use_heads = use_heads and self.accuracy.shape[0] > 0
+        self.use_lookup = use_lookup
+        self.context_match = 1.0  # tokens the lookup's best continuation matches, when it finds one
+        self.scales = {False: 1.0, True: 1.0}  # observed ÷ the curve's step time, for plain and tree steps
+        self._curve: CostCurve | None = None
+        self._seen = {False: False, True: False}  # whether a plain / tree step was timed against this curve
+        self.since_heads = 0  # steps since the heads last drafted
+        self._order: tuple[list[tuple[int, ...]], list[float]] | None = None
+
+    # -- choosing --------------------------------------------------------------------------------
+
+    def order(self) -> tuple[list[tuple[int, ...]], list[float]]:
+        """The greedy tree's paths in the order they join it, and the cumulative expected accepted
+        tokens after each (§3.3.3: the path with the highest Π accuracy next, parents first)."""
+        if self._order is None:
+            acc = self.accuracy.tolist()
+            frontier = [(-acc[0][r], (r,)) for r in range(RANKS)]
+            heapq.heapify(frontier)
+            paths, gain, total = [], [], 0.0
+            while frontier and len(paths) < MAX_BUDGET:
+                neg, path = heapq.heappop(frontier)
+                paths.append(path)
+                total -= neg
+                gain.append(total)
+                if len(path) < len(acc):
+                    for r in range(RANKS):
+                        heapq.heappush(frontier, (neg * acc[len(path)][r], (*path, r)))
+            self._order = (paths, gain)
+        return self._order
+
+    def choose(self, lookup_nodes: int = 0) -> Choice:
+        """The option with the most tokens per ms: plain, heads of some budget, the lookup's
+        `lookup_nodes` nodes (0: it found nothing), or both."""
+        curve = self._current()
+        plain_ms = curve.at(1) * self.scales[False]
+        options = [Choice(0, False, 1, 1.0, plain_ms, "plain")]
+        lookups = (False, True) if self.use_lookup and lookup_nodes else (False,)
+        budgets = range(MAX_BUDGET + 1) if self.use_heads else (0,)
+        _, gain = self.order() if self.use_heads else ((), [])
+        for budget, lookup in itertools.product(budgets, lookups):
+            if not budget and not lookup:
+                continue
+            heads = gain[budget - 1] if budget else 0.0
+            context = self.context_match if lookup else 0.0
+            nodes = 1 + budget + (lookup_nodes if lookup else 0)
+            ms = (curve.at(nodes) + (curve.heads_ms if budget else 0.0)) * self.scales[True]
+            parts = [f"{budget} head nodes"] * bool(budget) + [f"{lookup_nodes} context nodes"] * lookup
+            options.append(Choice(budget, lookup, nodes, 1 + max(heads, context), ms, " + ".join(parts)))
+        best = max(options, key=lambda c: c.expected_tokens / c.expected_ms)
+        if not best.plain and best.expected_tokens / best.expected_ms < MARGIN / plain_ms:
+            best = options[0]
+        if best.plain:
+            drafted = [c for c in options if c.budget]
+            if drafted and self.since_heads >= EXPLORE_EVERY:  # re-measure the heads once in a while
+                pick = max(drafted, key=lambda c: c.expected_tokens / c.expected_ms)
+                reason = f"explore: {pick.reason}, to re-measure the heads"
+                return Choice(pick.budget, pick.lookup, pick.nodes, pick.expected_tokens, pick.expected_ms, reason)
+            reason = "plain: no tree is expected to pay for its cost"
+            return Choice(0, False, 1, 1.0, plain_ms, reason)
+        return best
+
+    def _current(self) -> CostCurve:
+        curve = self.curve() or PRIOR_CURVE
+        if curve is not self._curve:  # a newly measured curve: what was learned against the old one is void
+            self._curve, self.scales, self._seen = curve, {False: 1.0, True: 1.0}, {False: False, True: False}
+        return curve
+
+    # -- learning --------------------------------------------------------------------------------
+
+    def observe(
+        self, choice: Choice, candidates: Tensor | None, truth: Sequence[int], found: Sequence[Sequence[int]],
+        seconds: float,
+    ) -> None:  # fmt: skip
+        """After a step: `candidates` (heads, RANKS) the heads' tokens if they drafted, `truth` the
+        tokens the step emitted (what came after the root, in order), `found` the lookup's
+        continuations, `seconds` what the step took."""
+        if candidates is not None:
+            self.since_heads = 0
+            known = min(len(truth), candidates.shape[0])  # head k is checked only if the path got that far
+            if known:
+                match = (candidates[:known] == torch.tensor(truth[:known])[:, None]).float()
+                self.accuracy[:known] += HEADS_RATE * (match - self.accuracy[:known])
+                self._order = None
+        else:
+            self.since_heads += 1
+        if found:
+            best = max(_common_prefix(c, truth) for c in found)
+            self.context_match += CONTEXT_RATE * (best - self.context_match)
+        tree = not choice.plain
+        expected = choice.expected_ms / self.scales[tree]
+        if expected > 0 and seconds > 0:
+            ratio = 1000 * seconds / expected
+            if not self._seen[tree]:  # the first step of its kind sets the scale
+                self.scales[tree], self._seen[tree] = ratio, True
+            else:  # later ones move it a little (one odd step, a little less)
+                ratio = min(max(ratio, self.scales[tree] / 3), self.scales[tree] * 3)
+                self.scales[tree] += COST_RATE * (ratio - self.scales[tree])
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+class AutoDrafter:
+    """A drafter whose tree the policy chooses each step, from the heads' top candidates and the
+    context's continuations; `observe` feeds each step's outcome back to the policy."""
+
+    def __init__(self, heads, policy: Policy, branches: int = 2, length: int = 4, max_ngram: int = 4) -> None:
+        self.heads, self.policy = heads, policy
+        self.branches, self.length = branches, length
+        self.index = NgramIndex(max_ngram)
+        self._trees: dict[tuple, TreeBuffers] = {}
+        self._last: tuple[Choice, Tensor | None, list[list[int]]] | None = None
+
+    def propose(self, hidden: Tensor, root: Tensor, history: Sequence[int] = ()) -> Draft:
+        found: list[list[int]] = []
+        if self.policy.use_lookup and len(history) > 1:
+            self.index.sync(history)
+            found = self.index.continuations(self.branches, self.length)
+        lookup_nodes = len({tuple(c[:d]) for c in found for d in range(1, len(c) + 1)})
+        choice = self.policy.choose(lookup_nodes)
+        candidates = None
+        tokens, tree = [int(root)], self._tree(0)
+        if choice.budget:
+            with torch.inference_mode():
+                candidates = self.heads.candidates(hidden, self.policy.accuracy.shape[0], RANKS).cpu()
+            tree = self._tree(choice.budget)
+            index = (tree.depth[1:] - 1) * RANKS + tree.rank[1:]  # into the flattened (heads, RANKS) table
+            tokens += candidates.flatten()[index].tolist()
+        sources: tuple[int, ...] = ()
+        if choice.lookup and found:
+            tokens, tree, merged = graft(tree, tokens, found, CONTEXT)
+            sources = tuple(merged)
+        self._last = (choice, candidates, found)
+        device = root.device
+        return Draft(torch.tensor(tokens, device=device), tree if device.type == "cpu" else tree.to(device), sources)
+
+    def _tree(self, budget: int) -> TreeBuffers:
+        """The greedy tree of `budget` head nodes on the current estimates (kept while they hold)."""
+        paths = tuple(self.policy.order()[0][:budget]) if budget else ()
+        if paths not in self._trees:
+            if len(self._trees) > 64:
+                self._trees.clear()
+            self._trees[paths] = build_tree(list(paths))
+        return self._trees[paths]
+
+    def observe(self, draft: Draft, emitted: Sequence[int], seconds: float) -> None:
+        """`emitted`: the step's new tokens (accepted drafts, then the backbone's own)."""
+        if self._last is not None:
+            choice, candidates, found = self._last
+            self.policy.observe(choice, candidates, emitted, found, seconds)
+            self._last = None
+
+    @property
+    def last_choice(self) -> Choice | None:
+        return self._last[0] if self._last else None
+
+
+def auto_drafter(
+    kind: str, heads, curve: Callable[[], CostCurve | None], preset: Preset, trained: bool = True
+) -> AutoDrafter:
+    """The policy-driven drafter for `kind` ("medusa": heads only, "lookup": context only,
+    "hybrid": both), its heads' prior from `preset`'s calibration (untrained heads start near 0)."""
+    use_heads = kind in ("medusa", "hybrid") and heads is not None
+    prior = None
+    if use_heads:
+        prior = prior_accuracy(heads.num_heads, preset.top1, preset.top10) if trained else None
+        prior = prior if prior is not None else prior_accuracy(heads.num_heads, [0.02] * heads.num_heads)
+    policy = Policy(curve, prior, use_heads, use_lookup=kind in ("lookup", "hybrid"))
+    return AutoDrafter(heads, policy, preset.lookup_branches, preset.lookup_length)
