@@ -123,7 +123,7 @@ class Policy:
         tokens after each (§3.3.3: the path with the highest Π accuracy next, parents first)."""
         if self._order is None:
             acc = self.accuracy.tolist()
-            frontier = [(-acc[0][r], (r,)) for r in range(RANKS)]
+            frontier = [(-acc[0][r], (r,)) for r in range(RANKS) if acc[0][r] > 0]  # 0: a rank that does not exist
             heapq.heapify(frontier)
             paths, gain, total = [], [], 0.0
             while frontier and len(paths) < MAX_BUDGET:
@@ -133,7 +133,8 @@ class Policy:
                 gain.append(total)
                 if len(path) < len(acc):
                     for r in range(RANKS):
-                        heapq.heappush(frontier, (neg * acc[len(path)][r], (*path, r)))
+                        if acc[len(path)][r] > 0:
+                            heapq.heappush(frontier, (neg * acc[len(path)][r], (*path, r)))
             self._order = (paths, gain)
         return self._order
 
@@ -144,8 +145,8 @@ class Policy:
         plain_ms = curve.at(1) * self.scales[False]
         options = [Choice(0, False, 1, 1.0, plain_ms, "plain")]
         lookups = (False, True) if self.use_lookup and lookup_nodes else (False,)
-        budgets = range(MAX_BUDGET + 1) if self.use_heads else (0,)
         _, gain = self.order() if self.use_heads else ((), [])
+        budgets = range(len(gain) + 1)
         for budget, lookup in itertools.product(budgets, lookups):
             if not budget and not lookup:
                 continue
@@ -219,6 +220,8 @@ class AutoDrafter:
 
     def __init__(self, heads, policy: Policy, branches: int = 2, length: int = 4, max_ngram: int = 4) -> None:
         self.heads, self.policy = heads, policy
+        self.ranks = min(RANKS, getattr(heads, "vocab_size", RANKS))  # a tiny vocabulary has fewer candidates
+        policy.accuracy[:, self.ranks :] = 0
         self.branches, self.length = branches, length
         self.index = NgramIndex(max_ngram)
         self._trees: dict[tuple, TreeBuffers] = {}
@@ -235,7 +238,8 @@ class AutoDrafter:
         tokens, tree = [int(root)], self._tree(0)
         if choice.budget:
             with torch.inference_mode():
-                candidates = self.heads.candidates(hidden, self.policy.accuracy.shape[0], RANKS).cpu()
+                top = self.heads.candidates(hidden, self.policy.accuracy.shape[0], self.ranks).cpu()
+            candidates = torch.nn.functional.pad(top, (0, RANKS - self.ranks), value=-1)
             tree = self._tree(choice.budget)
             index = (tree.depth[1:] - 1) * RANKS + tree.rank[1:]  # into the flattened (heads, RANKS) table
             tokens += candidates.flatten()[index].tolist()

@@ -1,0 +1,196 @@
+"""The speculation policy: its choices on stub cost curves, exactness while it switches trees,
+and the stored step-cost curve."""
+
+import itertools
+import json
+from collections import Counter
+from itertools import product
+
+import pytest
+import torch
+
+from core.generate import collect, stream
+from core.settings import DecodeSettings
+from core.tune import costs
+from core.tune.policy import EXPLORE_EVERY, RANKS, AutoDrafter, CostCurve, Policy, prior_accuracy
+from core.worker import ComputeThread
+from tests.helpers import FAST_KERNELS, plain_tokens, tiny_model
+from tests.stats import chi_square_p_value
+from tests.test_engine import PROMPT, random_heads
+
+CHEAP = CostCurve({1: 10.0, 8: 10.5, 16: 11.0, 32: 12.0, 64: 14.0}, 0.1)
+EXPENSIVE = CostCurve({1: 10.0, 2: 25.0, 8: 80.0, 32: 300.0}, 2.0)
+MODERATE = CostCurve({1: 10.0, 2: 11.0, 4: 12.0, 8: 14.0, 16: 20.0, 32: 40.0}, 0.2)
+GOOD_HEADS = prior_accuracy(4, [0.7, 0.5, 0.4, 0.3], [0.95, 0.85, 0.75, 0.65])
+
+
+def policy(curve, accuracy=GOOD_HEADS, **kw) -> Policy:
+    return Policy(lambda: curve, accuracy, **kw)
+
+
+def test_expensive_trees_decode_plain():
+    choice = policy(EXPENSIVE).choose()
+    assert choice.plain and choice.budget == 0 and "plain" in choice.reason
+
+
+def test_cheap_trees_grow_the_tree():
+    cheap, moderate = policy(CHEAP).choose(), policy(MODERATE).choose()
+    assert cheap.budget > moderate.budget >= 1
+    assert cheap.budget >= 16
+    assert cheap.expected_tokens > moderate.expected_tokens > 1
+
+
+def test_a_run_of_rejections_shrinks_the_tree_down_to_plain():
+    p = policy(MODERATE)
+    budgets = [p.choose().budget]
+    wrong = torch.full((4, RANKS), 5)  # the heads' candidates: never the emitted token
+    for _ in range(80):
+        choice = p.choose()
+        p.observe(choice, wrong if choice.budget else None, [7, 7, 7], [], 0.010 * choice.expected_tokens)
+        budgets.append(choice.budget)
+    assert budgets[0] >= 4
+    assert budgets[-20:].count(0) >= 18  # plain, but for the odd exploring step
+    assert all(b <= a for a, b in itertools.pairwise(budgets[:10]))  # shrinking on the way
+
+
+def test_it_explores_back_and_grows_when_the_heads_turn_right():
+    p = policy(MODERATE, accuracy=prior_accuracy(4, [0.01] * 4, [0.02] * 4))
+    choices = [p.choose() for _ in range(3)]
+    assert all(c.plain for c in choices)
+    right = torch.tensor([[7] * RANKS] * 4)  # every candidate is the emitted token
+    explored = []
+    for _ in range(6 * EXPLORE_EVERY):
+        c = p.choose()
+        explored.append(c.reason.startswith("explore"))
+        p.observe(c, right if c.budget else None, [7, 7, 7, 7, 7], [], 0.01)
+        if c.budget >= 4:
+            break
+    assert any(explored)  # it tried the heads while plain looked best
+    assert p.choose().budget >= 4  # and, finding them right, grew the tree
+
+
+def test_lookup_is_taken_when_it_matches_and_dropped_when_it_does_not():
+    p = policy(MODERATE, accuracy=prior_accuracy(4, [0.0] * 4, [0.0] * 4))
+    for _ in range(10):
+        c = p.choose(lookup_nodes=4)
+        p.observe(c, None, [1, 2, 3, 4, 5], [[1, 2, 3, 4]], 0.01)
+    assert p.choose(lookup_nodes=4).lookup
+    for _ in range(30):
+        c = p.choose(lookup_nodes=4)
+        p.observe(c, None, [9, 9], [[1, 2, 3, 4]], 0.01)
+    assert not p.choose(lookup_nodes=4).lookup
+
+
+def test_cost_curve_interpolates_and_extrapolates():
+    curve = CostCurve({1: 10.0, 3: 14.0, 5: 20.0}, 0.0)
+    assert curve.at(1) == 10.0 and curve.at(0) == 10.0
+    assert curve.at(2) == pytest.approx(12.0)
+    assert curve.at(7) == pytest.approx(26.0)
+
+
+def test_without_a_measured_curve_the_prior_is_cautious():
+    p = Policy(lambda: None, GOOD_HEADS)
+    assert p.choose().budget <= 4
+
+
+class Flipping:
+    """A cost curve that swaps between cheap and expensive every call, so the policy switches
+    between plain decoding and large trees within one reply."""
+
+    def __init__(self) -> None:
+        self.calls = itertools.cycle([CHEAP, CHEAP, EXPENSIVE])
+
+    def __call__(self) -> CostCurve:
+        return next(self.calls)
+
+
+def switching_drafter(model, heads_seed=0, num_heads=4) -> AutoDrafter:
+    heads = random_heads(model, num_heads=num_heads, seed=heads_seed)
+    return AutoDrafter(heads, Policy(Flipping(), prior_accuracy(num_heads, [0.9] * num_heads)))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", *(f"llama+{k}" for k in FAST_KERNELS)])
+def test_greedy_is_exact_while_the_policy_switches_trees(arch):
+    model = tiny_model(arch)
+    reference = plain_tokens(model, PROMPT, 40)
+    events, done = collect(stream(model, PROMPT, DecodeSettings(max_new_tokens=40), switching_drafter(model)))
+    assert list(done.token_ids) == reference
+    sizes = {e.tree_size for e in events[1:]}
+    assert 1 in sizes and max(sizes) > 8  # it really switched between plain and big trees
+    assert any(e.choice for e in events[1:])
+
+
+def test_lossless_sampling_with_switching_trees_keeps_the_distribution():
+    vocab = 6
+    model = tiny_model("llama", vocab=vocab, seed=2)
+    prompt = [1, 4, 2]
+    drafter = switching_drafter(model, heads_seed=5, num_heads=2)
+    settings = DecodeSettings(temperature=1.0, max_new_tokens=3)
+    with torch.inference_mode():
+        seqs = torch.tensor([prompt + [a, b] for a in range(vocab) for b in range(vocab)])
+        logp = model(seqs).logits.log_softmax(-1)
+    exact = {
+        (a, b, c): float((logp[i, 2, a] + logp[i, 3, b] + logp[i, 4, c]).exp())
+        for i, (a, b) in enumerate(product(range(vocab), repeat=2))
+        for c in range(vocab)
+    }
+    gen = torch.Generator().manual_seed(11)
+    n = 3000
+    counts, sizes = Counter(), Counter()
+    for _ in range(n):
+        events, done = collect(stream(model, prompt, settings, drafter, generator=gen))
+        counts[done.token_ids] += 1
+        sizes.update(e.tree_size for e in events[1:])
+    assert sizes[1] > 100 and sum(v for k, v in sizes.items() if k > 1) > 100  # both kinds of step ran
+    assert chi_square_p_value(counts, exact, n) > 1e-3
+
+
+# -- the stored curve -----------------------------------------------------------------------------
+
+
+def test_measured_curve_is_stored_and_reused(tmp_path):
+    model = tiny_model("llama+onednn" if "onednn" in FAST_KERNELS else "llama")
+    heads = random_heads(model)
+    said = []
+    store = costs.CurveStore(tmp_path)
+    first = costs.StepCosts(model, heads, store, "key-1", said.append)
+    assert first.needed and first.curve() is None
+    curve = first.measure()
+    assert set(curve.step_ms) == set(costs.SIZES) and all(v > 0 for v in curve.step_ms.values())
+    assert curve.heads_ms > 0 and first.seconds < costs.BUDGET_S
+    again = costs.StepCosts(model, heads, store, "key-1", said.append)
+    assert not again.needed and again.curve() == curve
+    assert not costs.StepCosts(model, heads, store, "key-2", said.append).curve()  # another machine or model
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda p: p.write_bytes(p.read_bytes()[:20]),  # truncated
+        lambda p: p.write_text("[1, 2]"),  # not an object
+        lambda p: p.write_text(json.dumps(json.loads(p.read_text()) | {"format": 0})),  # an older format
+        lambda p: p.write_text(json.dumps(json.loads(p.read_text()) | {"step_ms": {"1": -3}})),  # nonsense
+    ],
+)
+def test_a_damaged_or_stale_curve_is_measured_again(tmp_path, damage):
+    store = costs.CurveStore(tmp_path)
+    store.save("k", CostCurve({1: 10.0, 8: 20.0}, 1.0))
+    damage(store.path("k"))
+    said = []
+    step_costs = costs.StepCosts(tiny_model(), None, store, "k", said.append)
+    assert step_costs.needed and len(said) == 1 and "measuring this machine again" in said[0]
+    assert not store.path("k").exists()
+    assert step_costs.measure() is not None and store.load("k") == step_costs.curve()
+
+
+def test_compute_thread_streams_in_order_and_passes_errors():
+    worker = ComputeThread()
+    assert list(worker.stream(lambda: iter(range(5)))) == [0, 1, 2, 3, 4]
+
+    def failing():
+        yield 1
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        list(worker.stream(failing))
+    assert worker.call(lambda: 42) == 42
