@@ -22,21 +22,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="preset file to write (default: ./MODEL-calibrated.json)")
 
 
-LOOKUP_SETTINGS = ((1, 4), (2, 4), (3, 4), (1, 6), (2, 6), (3, 6), (4, 8))  # (branches, length) tried
-
-
 def run(args: argparse.Namespace) -> int:
     from importlib import resources
 
-    import torch
     from tqdm.auto import tqdm
 
-    from core.drafters import LookupDrafter, MedusaDrafter
-    from core.settings import DecodeSettings
-    from core.step import NoDrafter
-    from core.tree import build_tree
     from core.tune import calibrate as cal
-    from core.tune import train
     from models.loader import heads_for, load_backbone, resolve, resolve_heads
 
     try:
@@ -58,43 +49,14 @@ def run(args: argparse.Namespace) -> int:
     heads, _ = heads_for(backbone, heads_dir)
     pad = backbone.tokenizer.pad_token_id if backbone.tokenizer.pad_token_id is not None else backbone.eos_ids[0]
 
-    # 1) greedy replies and the heads' candidates at every reply position
-    encoded = [backbone.encode_chat(p) for p in prompts]
-    replies = []
-    with tqdm(total=len(encoded), desc="greedy replies", unit="prompt") as bar:
-        for b in range(0, len(encoded), 8):
-            batch = encoded[b : b + 8]
-            answers = train.greedy_answers(model, batch, backbone.eos_ids, pad, args.max_new_tokens)
-            for ids, answer in zip(batch, answers, strict=True):
-                if len(answer) > 1:
-                    full = ids + answer
-                    candidates = cal.head_candidates(model, heads, full, len(ids), 10)
-                    replies.append(cal.reply_positions(full, len(ids), candidates))
-            bar.update(len(batch))
-    accuracy = cal.rank_accuracies(replies)
-
-    # 2) this machine: step latency by tree size, and what drafting costs
-    print("timing verify forwards…", file=sys.stderr)
-    context = replies[0].ids
-    settings = DecodeSettings()
-    sizes = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 80, min(budgets[-1], 128) + 1})
-    trees = {n: build_tree(cal.greedy_tree(accuracy, n - 1)).to(model.device) for n in sizes}
-    verify_ms = cal.verify_latency(model, context, trees, settings)
-    hidden = torch.zeros(model.config.get_text_config().hidden_size, device=model.device, dtype=model.dtype)
-    root = torch.tensor(context[-1], device=model.device)
-    medusa = MedusaDrafter(heads, trees[max(sizes)])  # the deepest tree: every head computed
-    heads_ms = cal.time_ms(lambda: medusa.propose(hidden, root, context))
-    lookup = LookupDrafter(None, 3, 6)
-    lookup_ms = cal.time_ms(lambda: lookup.propose(hidden, root, context))
-    plain = NoDrafter(model.device)
-    plain_ms = cal.time_ms(lambda: plain.propose(hidden, root)) + verify_ms[1]
-
-    def step_ms(kind: str, nodes: float) -> float:
-        extra = {"plain": 0.0, "medusa": heads_ms, "lookup": lookup_ms, "hybrid": heads_ms + lookup_ms}[kind]
-        return cal.interpolate(verify_ms, nodes) + extra
-
-    # 3) replay every option and price it
-    ranked = cal.search(replies, budgets, LOOKUP_SETTINGS, step_ms)
+    with tqdm(total=len(prompts), desc="greedy replies", unit="prompt") as bar:
+        encoded = [backbone.encode_chat(p) for p in prompts]
+        result = cal.calibrate(
+            model, heads, encoded, backbone.eos_ids, pad, args.max_new_tokens, budgets, cal.LOOKUP_SETTINGS,
+            lambda n: bar.update(n), lambda text: print(text, file=sys.stderr),
+        )  # fmt: skip
+    ranked, accuracy, verify_ms = result.ranked, result.accuracy, result.verify_ms
+    heads_ms, lookup_ms, plain_ms, replies = result.heads_ms, result.lookup_ms, result.plain_ms, result.replies
     best = ranked[0]
     if best.drafter == "plain":  # a preset is a tree: write the fastest one, and say plain wins
         best = next(c for c in ranked if c.drafter != "plain")

@@ -29,6 +29,8 @@ from core.lookup import NgramIndex
 from core.step import Draft, accept, commit, prefill, verify
 from core.tune.profile import time_ms
 
+LOOKUP_SETTINGS = ((1, 4), (2, 4), (3, 4), (1, 6), (2, 6), (3, 6), (4, 8))  # (branches, length) tried
+
 # -- 1) positions -----------------------------------------------------------------------------
 
 
@@ -63,18 +65,28 @@ def rank_accuracies(replies: Sequence[Reply]) -> Tensor:
 def greedy_tree(accuracy: Tensor, budget: int) -> list[list[int]]:
     """The `budget` rank paths with the highest estimated acceptance Π_k accuracy[k, r_k],
     grown from the root (each node's parent is added first, as §3.3.3 does)."""
+    return [list(p) for p in greedy_order(accuracy, budget)[0]]
+
+
+def greedy_order(accuracy: Tensor, budget: int) -> tuple[list[tuple[int, ...]], list[float]]:
+    """`greedy_tree`'s paths in the order they join the tree, and after each the expected
+    accepted tokens of the tree so far (the sum of its paths' Π accuracy). Ranks of accuracy 0
+    are never used."""
     k_heads, ranks = accuracy.shape
     acc = accuracy.tolist()
-    frontier = [(-acc[0][r], (r,)) for r in range(ranks)]
+    frontier = [(-acc[0][r], (r,)) for r in range(ranks) if acc[0][r] > 0]
     heapq.heapify(frontier)
-    paths: list[list[int]] = []
+    paths: list[tuple[int, ...]] = []
+    gains: list[float] = []
     while frontier and len(paths) < budget:
         neg, path = heapq.heappop(frontier)
-        paths.append(list(path))
+        paths.append(path)
+        gains.append((gains[-1] if gains else 0.0) - neg)
         if len(path) < k_heads:
             for r in range(ranks):
-                heapq.heappush(frontier, (neg * acc[len(path)][r], (*path, r)))
-    return paths
+                if acc[len(path)][r] > 0:
+                    heapq.heappush(frontier, (neg * acc[len(path)][r], (*path, r)))
+    return paths, gains
 
 
 def expected_accept(accuracy: Tensor, paths: list[list[int]]) -> float:
@@ -158,7 +170,7 @@ def replay(
 def interpolate(latency: dict[int, float], size: float) -> float:
     """Step latency at a (fractional) node count, linear between measured sizes."""
     xs = sorted(latency)
-    if size <= xs[0]:
+    if size <= xs[0] or len(xs) == 1:
         return latency[xs[0]]
     for a, b in itertools.pairwise(xs):
         if size <= b:
@@ -237,3 +249,66 @@ def verify_latency(model, context: list[int], trees: dict[int, object], settings
 
         out[size] = time_ms(step)
     return out
+
+
+# -- the whole calibration --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Calibration:
+    ranked: list[Candidate]  # every option replayed and priced, fastest first
+    replies: list[Reply]
+    accuracy: Tensor  # (K, R) rank accuracies of the heads
+    verify_ms: dict[int, float]  # step latency by node count
+    heads_ms: float  # drafting with the heads
+    lookup_ms: float  # drafting from the context
+    plain_ms: float  # a plain step
+
+
+def calibrate(
+    model, heads, encoded: Sequence[list[int]], eos_ids, pad: int, max_new_tokens: int, budgets: Sequence[int],
+    lookups: Sequence[tuple[int, int]], progress: Callable[[int], None] = lambda n: None,
+    say: Callable[[str], None] = lambda text: None,
+) -> Calibration:  # fmt: skip
+    """Greedy replies to `encoded` prompts, the heads' candidates at every reply position, this
+    machine's step latency by tree size, and every (drafter, budget, lookup) option replayed."""
+    from core.drafters import LookupDrafter, MedusaDrafter
+    from core.settings import DecodeSettings
+    from core.step import NoDrafter
+    from core.tree import build_tree
+    from core.tune import train
+
+    # 1) greedy replies and the heads' candidates at every reply position
+    replies = []
+    for b in range(0, len(encoded), 8):
+        batch = list(encoded[b : b + 8])
+        answers = train.greedy_answers(model, batch, eos_ids, pad, max_new_tokens)
+        for ids, answer in zip(batch, answers, strict=True):
+            if len(answer) > 1:
+                full = ids + answer
+                replies.append(reply_positions(full, len(ids), head_candidates(model, heads, full, len(ids), 10)))
+        progress(len(batch))
+    accuracy = rank_accuracies(replies)
+
+    # 2) this machine: step latency by tree size, and what drafting costs
+    say("timing verify forwards…")
+    context = replies[0].ids
+    sizes = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 80, min(budgets[-1], 128) + 1})
+    trees = {n: build_tree(greedy_tree(accuracy, n - 1)).to(model.device) for n in sizes}
+    verify_ms = verify_latency(model, context, trees, DecodeSettings())
+    hidden = torch.zeros(model.config.get_text_config().hidden_size, device=model.device, dtype=model.dtype)
+    root = torch.tensor(context[-1], device=model.device)
+    medusa = MedusaDrafter(heads, trees[max(sizes)])  # the deepest tree: every head computed
+    heads_ms = time_ms(lambda: medusa.propose(hidden, root, context))
+    lookup = LookupDrafter(None, 3, 6)
+    lookup_ms = time_ms(lambda: lookup.propose(hidden, root, context))
+    plain = NoDrafter(model.device)
+    plain_ms = time_ms(lambda: plain.propose(hidden, root)) + verify_ms[1]
+
+    def step_ms(kind: str, nodes: float) -> float:
+        extra = {"plain": 0.0, "medusa": heads_ms, "lookup": lookup_ms, "hybrid": heads_ms + lookup_ms}[kind]
+        return interpolate(verify_ms, nodes) + extra
+
+    # 3) replay every option and price it
+    ranked = search(replies, budgets, lookups, step_ms)
+    return Calibration(ranked, replies, accuracy, verify_ms, heads_ms, lookup_ms, plain_ms)

@@ -23,7 +23,6 @@ The tree is fixed before the forward, so every acceptance rule stays exact.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from torch import Tensor
 from core.lookup import NgramIndex
 from core.step import Draft
 from core.tree import CONTEXT, Preset, TreeBuffers, build_tree, graft
+from core.tune.calibrate import greedy_order, interpolate
 
 MAX_BUDGET = 32  # head nodes the policy may draft (the root not counted)
 EXPLORE_EVERY = 16  # after this many steps without heads, draft with them once
@@ -53,13 +53,7 @@ class CostCurve:
 
     def at(self, nodes: float) -> float:
         """Step time at a node count, linear between measured sizes (and beyond the last two)."""
-        xs = sorted(self.step_ms)
-        if nodes <= xs[0] or len(xs) == 1:
-            return self.step_ms[xs[0]]
-        pairs = list(itertools.pairwise(xs))
-        a, b = next(((a, b) for a, b in pairs if nodes <= b), pairs[-1])  # the last pair extrapolates
-        ya, yb = self.step_ms[a], self.step_ms[b]
-        return ya + (yb - ya) * (nodes - a) / (b - a)
+        return interpolate(self.step_ms, nodes)
 
 
 # Before this machine's curve is measured: a steep guess (a many-row forward costs 20 % more a
@@ -122,20 +116,7 @@ class Policy:
         """The greedy tree's paths in the order they join it, and the cumulative expected accepted
         tokens after each (§3.3.3: the path with the highest Π accuracy next, parents first)."""
         if self._order is None:
-            acc = self.accuracy.tolist()
-            frontier = [(-acc[0][r], (r,)) for r in range(RANKS) if acc[0][r] > 0]  # 0: a rank that does not exist
-            heapq.heapify(frontier)
-            paths, gain, total = [], [], 0.0
-            while frontier and len(paths) < MAX_BUDGET:
-                neg, path = heapq.heappop(frontier)
-                paths.append(path)
-                total -= neg
-                gain.append(total)
-                if len(path) < len(acc):
-                    for r in range(RANKS):
-                        if acc[len(path)][r] > 0:
-                            heapq.heappush(frontier, (neg * acc[len(path)][r], (*path, r)))
-            self._order = (paths, gain)
+            self._order = greedy_order(self.accuracy, MAX_BUDGET)
         return self._order
 
     def choose(self, lookup_nodes: int = 0) -> Choice:
