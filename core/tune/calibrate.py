@@ -294,11 +294,12 @@ def calibrate(
     say("timing verify forwards…")
     context = replies[0].ids
     sizes = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 80, min(budgets[-1], 128) + 1})
-    trees = {n: build_tree(greedy_tree(accuracy, n - 1)).to(model.device) for n in sizes}
+    built = (build_tree(greedy_tree(accuracy, n - 1)).to(model.device) for n in sizes)
+    trees = {t.size: t for t in built}  # keyed by the size built: heads may have fewer useful ranks
     verify_ms = verify_latency(model, context, trees, DecodeSettings())
     hidden = torch.zeros(model.config.get_text_config().hidden_size, device=model.device, dtype=model.dtype)
     root = torch.tensor(context[-1], device=model.device)
-    medusa = MedusaDrafter(heads, trees[max(sizes)])  # the deepest tree: every head computed
+    medusa = MedusaDrafter(heads, trees[max(trees)])  # the deepest tree: every head computed
     heads_ms = time_ms(lambda: medusa.propose(hidden, root, context))
     lookup = LookupDrafter(None, 3, 6)
     lookup_ms = time_ms(lambda: lookup.propose(hidden, root, context))
