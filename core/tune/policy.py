@@ -36,7 +36,8 @@ from core.tree import CONTEXT, Preset, TreeBuffers, build_tree, graft
 from core.tune.calibrate import greedy_order, interpolate
 
 MAX_BUDGET = 32  # head nodes the policy may draft (the root not counted)
-EXPLORE_EVERY = 16  # after this many steps without heads, draft with them once
+EXPLORE_EVERY = 16  # after at least this many steps without heads, draft with them once
+EXPLORE_SHARE = 0.01  # and not more often than costs this share of the time (on dear trees, rarer)
 HEADS_RATE = 0.05  # weight of one step in the heads' running accuracy
 CONTEXT_RATE = 0.2  # weight of one lookup in the context's running match length
 COST_RATE = 0.1  # weight of one step in the running cost scales
@@ -142,8 +143,9 @@ class Policy:
             best = options[0]
         if best.plain:
             drafted = [c for c in options if c.budget]
-            if drafted and self.since_heads >= EXPLORE_EVERY:  # re-measure the heads once in a while
-                pick = max(drafted, key=lambda c: c.expected_tokens / c.expected_ms)
+            pick = max(drafted, key=lambda c: c.expected_tokens / c.expected_ms) if drafted else None
+            every = max(EXPLORE_EVERY, (pick.expected_ms - plain_ms) / (EXPLORE_SHARE * plain_ms)) if pick else 0
+            if pick and self.since_heads >= every:  # re-measure the heads once in a while
                 reason = f"explore: {pick.reason}, to re-measure the heads"
                 return Choice(pick.budget, pick.lookup, pick.nodes, pick.expected_tokens, pick.expected_ms, reason)
             reason = "plain: no tree is expected to pay for its cost"
