@@ -37,7 +37,7 @@ from core.tune.calibrate import greedy_order, interpolate
 
 MAX_BUDGET = 32  # head nodes the policy may draft (the root not counted)
 EXPLORE_EVERY = 16  # after at least this many steps without heads, draft with them once
-EXPLORE_SHARE = 0.01  # and not more often than costs this share of the time (on dear trees, rarer)
+EXPLORE_SHARE = 0.02  # and not more often than costs this share of the time (on dear trees, rarer)
 HEADS_RATE = 0.05  # weight of one step in the heads' running accuracy
 CONTEXT_RATE = 0.2  # weight of one lookup in the context's running match length
 COST_RATE = 0.1  # weight of one step in the running cost scales
