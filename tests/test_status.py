@@ -13,7 +13,7 @@ def test_the_status_says_when_lossless_is_exact_only_up_to_rounding():
     engine = Engine("tiny")
     for dtype, said in ((torch.float32, False), (torch.bfloat16, True)):
         backbone = SimpleNamespace(model=SimpleNamespace(dtype=dtype, device=torch.device("cpu")))
-        engine.loaded = Loaded(backbone, None, True, "cpu-8")
+        engine.loaded = Loaded(backbone, None, True, "cpu-8", None)
         assert ("exact up to bfloat16 rounding" in engine.status()) is said
 
 
@@ -30,7 +30,7 @@ def test_the_status_names_int4_weights():
         pytest.skip("no int4 kernel here")
 
     engine = Engine("tiny")
-    engine.loaded = Loaded(SimpleNamespace(model=tiny_model("llama+int4")), None, True, "cpu-8")
+    engine.loaded = Loaded(SimpleNamespace(model=tiny_model("llama+int4")), None, True, "cpu-8", None)
     assert "int4 weights, bfloat16 on cpu" in engine.status()
-    engine.loaded = Loaded(SimpleNamespace(model=tiny_model("llama")), None, True, "cpu-8")
+    engine.loaded = Loaded(SimpleNamespace(model=tiny_model("llama")), None, True, "cpu-8", None)
     assert "int4" not in engine.status()
