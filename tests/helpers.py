@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -95,3 +96,17 @@ def brute_force_continuations(ids: Sequence[int], max_ngram: int, max_count: int
                     if len(found) == max_count:
                         return found
     return found
+
+
+def exact_three_tokens(model, prompt: list[int], vocab: int) -> dict[tuple[int, int, int], float]:
+    """The model's exact probability of every three-token continuation of `prompt` (sampling at
+    temperature 1), from one batched forward over every two-token prefix."""
+    with torch.inference_mode():
+        seqs = torch.tensor([prompt + [a, b] for a in range(vocab) for b in range(vocab)])
+        logp = model(seqs).logits.log_softmax(-1)  # (vocab², len(prompt) + 2, V)
+    n0 = len(prompt) - 1
+    return {
+        (a, b, c): float((logp[i, n0, a] + logp[i, n0 + 1, b] + logp[i, n0 + 2, c]).exp())
+        for i, (a, b) in enumerate(itertools.product(range(vocab), repeat=2))
+        for c in range(vocab)
+    }

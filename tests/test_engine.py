@@ -14,7 +14,15 @@ from core.settings import DecodeSettings
 from core.step import accept, commit, prefill, verify
 from core.tree import build_tree, load_tree
 from models.heads import MedusaHeads
-from tests.helpers import ARCHS, BASE_ARCHS, FAST_KERNELS, OracleDrafter, plain_tokens, tiny_model
+from tests.helpers import (
+    ARCHS,
+    BASE_ARCHS,
+    FAST_KERNELS,
+    OracleDrafter,
+    exact_three_tokens,
+    plain_tokens,
+    tiny_model,
+)
 from tests.stats import chi_square_p_value
 
 PROMPT = [1, 17, 33, 5, 60, 2, 41]
@@ -131,13 +139,7 @@ def test_lossless_sampling_distribution_on_a_model(arch):
     drafter = MedusaDrafter(heads, tree)
     settings = DecodeSettings(temperature=1.0, max_new_tokens=3)
 
-    with torch.inference_mode():
-        seqs = torch.tensor([prompt + [a, b] for a in range(vocab) for b in range(vocab)])
-        logp = model(seqs).logits.log_softmax(-1)  # (36, L, V)
-    exact = {}
-    for i, (a, b) in enumerate(product(range(vocab), repeat=2)):
-        for c in range(vocab):
-            exact[(a, b, c)] = float((logp[i, 2, a] + logp[i, 3, b] + logp[i, 4, c]).exp())
+    exact = exact_three_tokens(model, prompt, vocab)
 
     gen = torch.Generator().manual_seed(11)
     n = 3000

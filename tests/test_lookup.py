@@ -2,7 +2,6 @@
 
 import random
 from collections import Counter
-from itertools import product
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from core.generate import collect, stream
 from core.lookup import NgramIndex
 from core.settings import DecodeSettings
 from core.tree import BOTH, CONTEXT, HEADS, ROOT, build_tree, graft, load_tree
-from tests.helpers import ARCHS, brute_force_continuations, plain_tokens, tiny_model
+from tests.helpers import ARCHS, brute_force_continuations, exact_three_tokens, plain_tokens, tiny_model
 from tests.stats import chi_square_p_value
 from tests.test_engine import PROMPT, random_heads
 
@@ -108,14 +107,7 @@ def test_lossless_sampling_distribution_with_hybrid():
     drafter = LookupDrafter(MedusaDrafter(heads, build_tree([[0], [1], [0, 0], [1, 0]])), branches=2, length=3)
     settings = DecodeSettings(temperature=1.0, max_new_tokens=3)
 
-    with torch.inference_mode():
-        seqs = torch.tensor([prompt + [a, b] for a in range(vocab) for b in range(vocab)])
-        logp = model(seqs).logits.log_softmax(-1)
-    n0 = len(prompt) - 1
-    exact = {}
-    for i, (a, b) in enumerate(product(range(vocab), repeat=2)):
-        for c in range(vocab):
-            exact[(a, b, c)] = float((logp[i, n0, a] + logp[i, n0 + 1, b] + logp[i, n0 + 2, c]).exp())
+    exact = exact_three_tokens(model, prompt, vocab)
 
     gen = torch.Generator().manual_seed(11)
     n = 3000

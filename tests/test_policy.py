@@ -4,7 +4,6 @@ and the stored step-cost curve."""
 import itertools
 import json
 from collections import Counter
-from itertools import product
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from core.settings import DecodeSettings
 from core.tune import costs
 from core.tune.policy import EXPLORE_EVERY, RANKS, AutoDrafter, CostCurve, Policy, prior_accuracy
 from core.worker import ComputeThread
-from tests.helpers import FAST_KERNELS, plain_tokens, tiny_model
+from tests.helpers import FAST_KERNELS, exact_three_tokens, plain_tokens, tiny_model
 from tests.stats import chi_square_p_value
 from tests.test_engine import PROMPT, random_heads
 
@@ -126,14 +125,7 @@ def test_lossless_sampling_with_switching_trees_keeps_the_distribution():
     prompt = [1, 4, 2]
     drafter = switching_drafter(model, heads_seed=5, num_heads=2)
     settings = DecodeSettings(temperature=1.0, max_new_tokens=3)
-    with torch.inference_mode():
-        seqs = torch.tensor([prompt + [a, b] for a in range(vocab) for b in range(vocab)])
-        logp = model(seqs).logits.log_softmax(-1)
-    exact = {
-        (a, b, c): float((logp[i, 2, a] + logp[i, 3, b] + logp[i, 4, c]).exp())
-        for i, (a, b) in enumerate(product(range(vocab), repeat=2))
-        for c in range(vocab)
-    }
+    exact = exact_three_tokens(model, prompt, vocab)
     gen = torch.Generator().manual_seed(11)
     n = 3000
     counts, sizes = Counter(), Counter()
