@@ -57,3 +57,8 @@ class NgramIndex:
                     if len(found) == max_count:
                         return found
         return found
+
+
+def node_count(continuations: list[list[int]]) -> int:
+    """Tree nodes the continuations add under the root once shared prefixes are merged."""
+    return len({tuple(c[:d]) for c in continuations for d in range(1, len(c) + 1)})

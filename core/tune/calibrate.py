@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from core import cache as kv
-from core.lookup import NgramIndex
+from core.lookup import NgramIndex, node_count
 from core.step import Draft, accept, commit, prefill, verify
 from core.tune.profile import time_ms
 
@@ -135,7 +135,7 @@ def lookup_accepts(reply: Reply, branches: int, length: int, max_ngram: int = 4)
                 same += 1
             best = max(best, same)
         accepts.append(best)
-        nodes.append(len({tuple(c[:d]) for c in found for d in range(1, len(c) + 1)}))
+        nodes.append(node_count(found))
     return accepts, nodes
 
 

@@ -27,7 +27,7 @@ from core import cache as kv
 from core.settings import DecodeSettings
 from core.step import Draft, NoDrafter, accept, commit, prefill, verify
 from core.tune.policy import RANKS, CostCurve
-from core.tune.profile import machine, shaped_tree
+from core.tune.profile import machine, shaped_tree, time_ms
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # node counts measured (the policy interpolates between them)
 CONTEXT = 128  # tokens already in the cache while timing (a short conversation)
@@ -67,31 +67,19 @@ def measure(model, heads, repeats: int = 3, budget_s: float = BUDGET_S) -> Itera
         if n == 1:
             draft = NoDrafter(device).propose(hidden, root)
         with torch.inference_mode():
-            steps[n] = _best_ms(lambda d=draft: _step(model, cache, past, d, settings), repeats, sync)
+            steps[n] = time_ms(lambda d=draft: _step(model, cache, past, d, settings), repeats, sync, fastest=True)
         spent += time.perf_counter() - t0
         yield None
     heads_ms = 0.0
     if heads is not None:
         with torch.inference_mode():
-            heads_ms = _best_ms(lambda: heads.candidates(hidden, heads.num_heads, RANKS), repeats, sync)
+            heads_ms = time_ms(lambda: heads.candidates(hidden, heads.num_heads, RANKS), repeats, sync, fastest=True)
     yield CostCurve(steps, heads_ms)
 
 
 def _step(model, cache, past: int, draft: Draft, settings: DecodeSettings) -> None:
     commit(cache, past, accept(verify(model, cache, draft), draft, settings, None))
     kv.truncate(cache, past)
-
-
-def _best_ms(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
-    fn()
-    sync()
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return 1000 * best
 
 
 class CurveStore:

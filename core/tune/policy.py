@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
-from core.lookup import NgramIndex
+from core.lookup import NgramIndex, node_count
 from core.step import Draft
 from core.tree import CONTEXT, Preset, TreeBuffers, build_tree, graft
 from core.tune.calibrate import greedy_order, interpolate
@@ -146,10 +146,8 @@ class Policy:
             pick = max(drafted, key=lambda c: c.expected_tokens / c.expected_ms) if drafted else None
             every = max(EXPLORE_EVERY, (pick.expected_ms - plain_ms) / (EXPLORE_SHARE * plain_ms)) if pick else 0
             if pick and self.since_heads >= every:  # re-measure the heads once in a while
-                reason = f"explore: {pick.reason}, to re-measure the heads"
-                return Choice(pick.budget, pick.lookup, pick.nodes, pick.expected_tokens, pick.expected_ms, reason)
-            reason = "plain: no tree is expected to pay for its cost"
-            return Choice(0, False, 1, 1.0, plain_ms, reason)
+                return replace(pick, reason=f"explore: {pick.reason}, to re-measure the heads")
+            return replace(options[0], reason="plain: no tree is expected to pay for its cost")
         return best
 
     def _current(self) -> CostCurve:
@@ -215,7 +213,7 @@ class AutoDrafter:
         if self.policy.use_lookup and len(history) > 1:
             self.index.sync(history)
             found = self.index.continuations(self.branches, self.length)
-        lookup_nodes = len({tuple(c[:d]) for c in found for d in range(1, len(c) + 1)})
+        lookup_nodes = node_count(found)
         choice = self.policy.choose(lookup_nodes)
         candidates = None
         tokens, tree = [int(root)], self._tree(0)
