@@ -200,7 +200,7 @@ def by_category(runs: list[Run], categories: list[str]) -> dict[str, dict[str, S
 
 
 def category_table(per: dict[str, dict[str, Summary]], of: str, ref: str = "baseline") -> str:
-    """Tokens/s of every mode per category, and `of` relative to `ref` (its worst category marked)."""
+    """Tokens/s of every mode per category, and `of` relative to `ref` in each."""
     if not per:
         return ""
     modes = list(next(iter(per.values())))

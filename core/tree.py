@@ -26,6 +26,8 @@ Path_ = tuple[int, ...]
 SOURCES = ("root", "heads", "context", "both")  # where a node's token came from
 DRAFT_SOURCES = SOURCES[1:]  # where an accepted drafted token came from
 DRAFTERS = ("medusa", "lookup", "hybrid")  # heads only, context only, both in one tree
+HEAD_DRAFTERS = ("medusa", "hybrid")  # the drafters that need Medusa heads
+LOOKUP_DRAFTERS = ("lookup", "hybrid")  # the drafters that copy from the context
 AUTO = "auto"  # the tree name that lets the speculation policy choose each step's tree (the default)
 ROOT, HEADS, CONTEXT, BOTH = range(4)
 

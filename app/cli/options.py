@@ -10,7 +10,7 @@ from pathlib import Path
 
 from core.errors import UserError
 from core.settings import ACCEPTANCE_RULES, DecodeSettings
-from core.tree import AUTO, DRAFTERS
+from core.tree import AUTO, DRAFTERS, HEAD_DRAFTERS
 
 
 def model_options(p: argparse.ArgumentParser, heads: bool = True) -> None:
@@ -106,7 +106,7 @@ def setup(args: argparse.Namespace, kinds: tuple[str, ...] | None, fixed: tuple[
     preset = chosen or load_preset(spec.tree if spec.tree in preset_names() else "cpu-16")
     kinds = kinds if kinds is not None else (args.drafter or preset.drafter,)
     kinds_all = (*kinds, *(f.partition("@")[0] for f in fixed))
-    need_heads = any(k in ("medusa", "hybrid") for k in kinds_all)
+    need_heads = any(k in HEAD_DRAFTERS for k in kinds_all)
     heads_dir = (resolve_heads(args.heads) if args.heads else spec.heads_folder) if need_heads else None
     backbone = load_backbone(args.model, args.dtype, args.device, args.quantization, spec=spec)
     heads, trained = None, False
@@ -123,9 +123,9 @@ def setup(args: argparse.Namespace, kinds: tuple[str, ...] | None, fixed: tuple[
     def fixed_drafter(kind: str, p):
         return make_drafter(kind, heads, p.tree.to(device), f"Tree '{p.name}'", p.lookup_branches, p.lookup_length)
 
-    costs = None  # the machine's step-cost curve, measured in the background when not yet known
+    costs = None  # the machine's step-cost curve (the caller measures it when `needed`, at an idle moment)
     if auto and kinds:
-        costs = step_costs(backbone, heads if any(k in ("medusa", "hybrid") for k in kinds) else None)
+        costs = step_costs(backbone, heads if any(k in HEAD_DRAFTERS for k in kinds) else None)
         drafters = {k: auto_drafter(k, heads, costs.curve, preset, trained) for k in kinds}
     else:
         drafters = {k: fixed_drafter(k, preset) for k in kinds}

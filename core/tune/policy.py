@@ -32,7 +32,7 @@ from torch import Tensor
 
 from core.lookup import NgramIndex, node_count
 from core.step import Draft
-from core.tree import CONTEXT, Preset, TreeBuffers, build_tree, graft
+from core.tree import CONTEXT, HEAD_DRAFTERS, LOOKUP_DRAFTERS, Preset, TreeBuffers, build_tree, graft
 from core.tune.calibrate import greedy_order, interpolate
 
 MAX_BUDGET = 32  # head nodes the policy may draft (the root not counted)
@@ -258,10 +258,10 @@ def auto_drafter(
 ) -> AutoDrafter:
     """The policy-driven drafter for `kind` ("medusa": heads only, "lookup": context only,
     "hybrid": both), its heads' prior from `preset`'s calibration (untrained heads start near 0)."""
-    use_heads = kind in ("medusa", "hybrid") and heads is not None
+    use_heads = kind in HEAD_DRAFTERS and heads is not None
     prior = None
     if use_heads:
         prior = prior_accuracy(heads.num_heads, preset.top1, preset.top10) if trained else None
         prior = prior if prior is not None else prior_accuracy(heads.num_heads, [0.02] * heads.num_heads)
-    policy = Policy(curve, prior, use_heads, use_lookup=kind in ("lookup", "hybrid"))
+    policy = Policy(curve, prior, use_heads, use_lookup=kind in LOOKUP_DRAFTERS)
     return AutoDrafter(heads, policy, preset.lookup_branches, preset.lookup_length)
