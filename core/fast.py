@@ -54,7 +54,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
+        x2 = x.reshape(-1, self.in_features).contiguous()
         if self.kernel == "onednn":
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
         elif self.kernel == "int4":

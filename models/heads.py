@@ -12,12 +12,17 @@ Shared-projection heads may carry `token_ids`: a vocabulary subset (the tokens t
 produced in the training transcripts). They are then trained and read out over those rows of
 the lm_head only: 3–4× less work per proposal and per training step, and tokens the model
 never writes are never proposed.
+
+On a CPU, `pack` lays the weights out once for the matmul kernel measured fastest for drafting
+on this machine (`core.fast.PackedLinear`; the heads' first blocks fused into one matmul). Drafts
+need not round like any other path: verification decides what is kept.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,6 +31,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from core.errors import UserError
+from core.fast import PackedLinear
 from models.head_formats import read_head_tensors
 
 WEIGHTS = "medusa_lm_head.safetensors"
@@ -68,6 +74,7 @@ class MedusaHeads(nn.Module):
         self._shared = (shared_lm_head,) if shared_lm_head is not None else None
         self.register_buffer("token_ids", token_ids.long() if token_ids is not None else None)
         self._subset: Tensor | None = None  # (H, S) the lm_head rows of token_ids, transposed
+        self._packed: Packed | None = None  # inference copies in a CPU kernel's layout (see pack)
 
     def _subset_weight(self) -> Tensor:
         weight = self._shared[0].weight  # (V, H)
@@ -82,8 +89,56 @@ class MedusaHeads(nn.Module):
     def shared(self) -> bool:
         return self._shared is not None
 
+    def pack(self, kernel: str, dtype: torch.dtype) -> None:
+        """Draft from copies of the weights in `kernel`'s layout and `dtype` (weights stay as they
+        are for training and saving; `train()` drops the copies)."""
+        if not self.num_layers:
+            return
+        with torch.no_grad():
+            first = [h[0].linear for h in self.heads]
+            weight, bias = torch.cat([b.weight for b in first]), torch.cat([b.bias for b in first])
+            fused = PackedLinear(weight.to(dtype), bias.to(dtype), kernel)
+            rest = [[_packed(b.linear, dtype, kernel) for b in h[1 : self.num_layers]] for h in self.heads]
+            if self._shared is None:
+                readouts = [_readout(h[self.num_layers].weight, dtype, kernel) for h in self.heads]
+            elif self.token_ids is not None:
+                readouts = [_readout(self._shared[0].weight[self.token_ids], dtype, kernel)]
+            else:
+                readouts = []  # the backbone's own lm_head
+        self._packed = Packed(kernel, dtype, fused, rest, readouts)
+
+    def train(self, mode: bool = True) -> MedusaHeads:
+        if mode:
+            self._packed = None
+        return super().train(mode)
+
+    @property
+    def drafting(self) -> str:
+        """How the heads draft, for reports and the step-cost key: "int4 bfloat16" or "module"."""
+        p = self._packed
+        return "module" if p is None else f"{p.kernel} {str(p.dtype).removeprefix('torch.')}"
+
+    def _packed_forward(self, hidden: Tensor, count: int) -> Tensor:
+        p = self._packed
+        x = hidden.to(p.dtype)
+        states = x.unsqueeze(-2) + F.silu(p.fused(x).unflatten(-1, (self.num_heads, self.hidden_size)))
+        states = states[..., :count, :]  # (…, count, H)
+        if any(p.rest):
+            states = torch.stack([_blocks(states[..., i, :], p.rest[i]) for i in range(count)], dim=-2)
+        if not p.readouts:
+            lm_head = self._shared[0]
+            return lm_head(states.to(lm_head.weight.dtype))
+        if len(p.readouts) == 1:
+            return p.readouts[0](states)[..., : self._width()]
+        return torch.stack([p.readouts[i](states[..., i, :]) for i in range(count)], dim=-2)[..., : self._width()]
+
+    def _width(self) -> int:
+        return self.vocab_size if self.token_ids is None else len(self.token_ids)
+
     def forward(self, hidden: Tensor, count: int | None = None) -> Tensor:
         """(…, H) → (…, count, V) logits of the first `count` heads."""
+        if self._packed is not None and not self.training:
+            return self._packed_forward(hidden, count or self.num_heads)
         heads = self.heads[: count or self.num_heads]
         if self._shared is None:
             return torch.stack([h(hidden) for h in heads], dim=-2)
@@ -122,6 +177,32 @@ class MedusaHeads(nn.Module):
             "base_model_name_or_path": base_model,
         }
         (folder / CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+@dataclass(frozen=True)
+class Packed:
+    kernel: str  # core.fast.KERNELS
+    dtype: torch.dtype
+    fused: PackedLinear  # every head's first block in one matmul: (num_heads·H, H)
+    rest: list[list[PackedLinear]]  # per head, its further blocks
+    readouts: list[PackedLinear]  # one for a vocabulary subset, one per head for own projections, none: lm_head
+
+
+def _readout(weight: Tensor, dtype: torch.dtype, kernel: str) -> PackedLinear:
+    """A (rows, H) projection with its rows padded to a multiple of 64 (what the int4 layout
+    needs); callers keep the first `rows` outputs."""
+    pad = -weight.shape[0] % 64
+    return PackedLinear(F.pad(weight, (0, 0, 0, pad)).to(dtype), None, kernel)
+
+
+def _packed(linear: nn.Linear, dtype: torch.dtype, kernel: str) -> PackedLinear:
+    return PackedLinear(linear.weight.to(dtype), linear.bias.to(dtype), kernel)
+
+
+def _blocks(x: Tensor, blocks: list[PackedLinear]) -> Tensor:
+    for b in blocks:
+        x = x + F.silu(b(x))
+    return x
 
 
 _BLOCK = re.compile(r"^(\d+)\.(\d+)\.linear\.weight$")

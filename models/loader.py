@@ -298,17 +298,22 @@ def heads_for(backbone: Backbone, heads_dir: str | Path | None, num_heads: int =
     have a draft accepted.
     """
     lm_head = backbone.model.get_output_embeddings()
-    folder = heads_dir
-    if folder:
-        return load_heads(folder, lm_head, backbone.name), True
-    vocab, hidden = lm_head.weight.shape
-    heads = MedusaHeads(hidden, vocab, num_heads, 1, lm_head)
-    return heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype).eval(), False
+    if heads_dir:
+        heads, trained = load_heads(heads_dir, lm_head, backbone.name), True
+    else:
+        vocab, hidden = lm_head.weight.shape
+        heads = MedusaHeads(hidden, vocab, num_heads, 1, lm_head)
+        heads, trained = heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype).eval(), False
+    if fast.forward_of(backbone.model) is not None:  # the lean CPU forward: draft with this CPU's fastest kernel
+        width = heads.vocab_size if heads.token_ids is None else len(heads.token_ids)
+        dtype, kernel = kernels.drafting(width, heads.hidden_size, heads.num_heads, cache_dir() / "cpu-kernels.json")
+        heads.pack(kernel, kernels.DTYPES[dtype])
+    return heads, trained
 
 
 def step_costs(backbone: Backbone, heads: MedusaHeads | None) -> costs.StepCosts:
     """This machine's step-cost curve for the loaded model, remembered from an earlier launch
     (`needed` if not: the caller measures it when the model is idle)."""
     model = backbone.model
-    key = costs.curve_key(model, fast.describe(model), heads is not None)
+    key = costs.curve_key(model, fast.describe(model), heads.drafting if heads is not None else None)
     return costs.StepCosts(model, heads, costs.CurveStore(cache_dir() / "step-costs"), key)

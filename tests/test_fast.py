@@ -147,3 +147,33 @@ def test_int4_is_refused_where_it_cannot_run():
         loader._pick_quantization("int4", torch.device("cuda"), config)
     config.model_type = "gpt2"
     assert not fast.servable(config)
+
+
+def test_drafting_kernel_is_the_fastest_that_runs_and_is_remembered(tmp_path, monkeypatch):
+    record = tmp_path / "cpu-kernels.json"
+    timed = []
+
+    def fake_time(fn, repeats):
+        fn()  # it must run: a kernel that fails here is not a candidate
+        timed.append(fn)
+        return {1: 5.0, 2: 1.0}.get(len(timed), 3.0)  # the second candidate that runs is the fastest
+
+    monkeypatch.setattr(kernels, "time_ms", fake_time)
+    choice = kernels.drafting(100, 64, 4, record)
+    runs = [(d, k) for d in kernels.DTYPES for k in fast.KERNELS if _runs(k, kernels.DTYPES[d])]
+    assert choice == runs[1] and len(timed) >= len(runs)
+    assert kernels.drafting(100, 64, 4, record) == choice and len(timed) >= len(runs)  # remembered
+    count = len(timed)
+    known = json.loads(record.read_text())
+    known[next(iter(known))] = ["float32", "no-such-kernel"]
+    record.write_text(json.dumps(known))
+    kernels.drafting(100, 64, 4, record)
+    assert len(timed) == 2 * count  # a damaged entry is measured again
+
+
+def _runs(kernel: str, dtype: torch.dtype) -> bool:
+    try:
+        fast.PackedLinear(torch.randn(100, 64, dtype=dtype), None, kernel)(torch.randn(4, 64, dtype=dtype))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True

@@ -98,3 +98,34 @@ def test_a_vocabulary_subset_round_trips_and_proposes_only_its_tokens(tmp_path):
     assert cands[1, 0] == best
     targets = torch.tensor([[7, -100], [49, 5]])
     assert heads.target_index(targets).tolist() == [[1, -100], [5, -100]]  # 5 is outside the subset
+
+
+@pytest.mark.parametrize("layout", ["shared", "subset", "own"])
+@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("kernel", ["dense", "onednn"])
+def test_packed_heads_draft_what_the_modules_do(layout, layers, kernel):
+    hidden, vocab = 64, 200
+    head = torch.nn.Linear(hidden, vocab, bias=False)
+    subset = torch.tensor([3, 7, 9, 150, 199]) if layout == "subset" else None
+    heads = randomized(MedusaHeads(hidden, vocab, 3, layers, None if layout == "own" else head, subset)).eval()
+    h = torch.randn(4, hidden)
+    want = heads(h)
+    heads.pack(kernel, torch.float32)
+    assert heads.drafting == f"{kernel} float32"
+    got = heads(h)
+    assert got.shape == want.shape and heads(h[0], count=2).shape == want[0, :2].shape
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(heads(h[0], count=2), want[0, :2], rtol=1e-4, atol=1e-4)
+    heads.train()  # training reads the modules again: the packed copies would go stale
+    assert heads.drafting == "module"
+
+
+def test_int4_packed_heads_keep_their_top_candidates():
+    hidden, vocab = 64, 300  # 300 rows: padded to the int4 layout's multiple of 64
+    heads = randomized(MedusaHeads(hidden, vocab, 2, 1, None)).eval()
+    h = torch.randn(8, hidden)
+    want = heads(h)
+    heads.pack("int4", torch.bfloat16)
+    got = heads(h).float()
+    assert got.shape == want.shape
+    assert torch.corrcoef(torch.stack([got.flatten(), want.flatten()]))[0, 1] > 0.99

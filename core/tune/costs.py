@@ -35,8 +35,8 @@ FORMAT = 1  # bump when the file's meaning changes: older files are measured aga
 BUDGET_S = 15.0  # measuring stops adding sizes after this long (the largest are then extrapolated)
 
 
-def curve_key(model, describe: str, heads: bool) -> str:
-    """Everything a measured curve depends on."""
+def curve_key(model, describe: str, heads: str | None) -> str:
+    """Everything a measured curve depends on (`heads`: how they draft, None without heads)."""
     name = getattr(model.config, "_name_or_path", "") or model.config.model_type
     dtype = str(model.dtype).removeprefix("torch.")
     return f"{name}|{dtype}|{describe}|heads={heads}|{machine(model.device).key}"

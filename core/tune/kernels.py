@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from core import fast
-from core.tune.profile import cpu_flags, machine
+from core.tune.profile import cpu_flags, machine, time_ms
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ROWS = (1, 8)  # a plain step and a typical tree step
@@ -49,12 +49,7 @@ def candidates(dtype: str | None, int4: bool) -> list[Choice]:
 def choose(hidden: int, inner: int, dtype: str | None, int4: bool, record: Path) -> Choice:
     """The fastest working candidate; measured once per machine, shape and request."""
     key = f"{machine(torch.device('cpu')).key}|{hidden}x{inner}|{dtype or 'auto'}|{'int4' if int4 else 'full'}"
-    try:
-        known = json.loads(record.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if not isinstance(known, dict):  # a damaged record is measured again
-        known = {}
+    known = _read(record)
     with contextlib.suppress(TypeError, KeyError):
         choice = Choice(**known[key])
         if choice in candidates(dtype, int4):
@@ -63,9 +58,47 @@ def choose(hidden: int, inner: int, dtype: str | None, int4: bool, record: Path)
     working = {c: s for c, s in timed.items() if s is not None}
     best = min(working, key=working.get) if working else Choice(dtype or "float32", "dense", "dense")
     known[key] = asdict(best)
+    _write(record, known)
+    return best
+
+
+def _read(record: Path) -> dict:
+    """What was measured before; a missing or damaged record is an empty one (measured again)."""
+    try:
+        known = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def _write(record: Path, known: dict) -> None:
     with contextlib.suppress(OSError):
         record.parent.mkdir(parents=True, exist_ok=True)
         record.write_text(json.dumps(known, indent=1))
+
+
+def drafting(out: int, inp: int, rows: int, record: Path) -> tuple[str, str]:
+    """(dtype, kernel) of the fastest (rows, inp) × (inp, out) matmul here, for drafting: any
+    kernel that runs, whether or not it rounds alike at every row count (drafts are checked by
+    the verify forward). Measured once per machine and shape, remembered in `record`."""
+    key = f"{machine(torch.device('cpu')).key}|draft {rows}x{inp}x{out}"
+    known = _read(record)
+    with contextlib.suppress(TypeError, ValueError, KeyError):
+        dtype, kernel = known[key]
+        if dtype in DTYPES and kernel in fast.KERNELS:
+            return dtype, kernel
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(out, inp, generator=gen) * 0.05
+    x = torch.randn(rows, inp, generator=gen)
+    timed = {}
+    for dtype in DTYPES:
+        for kernel in fast.KERNELS:
+            with contextlib.suppress(RuntimeError, NotImplementedError):
+                layer, dt = fast.PackedLinear(weight.to(DTYPES[dtype]), None, kernel), DTYPES[dtype]
+                timed[dtype, kernel] = time_ms(lambda layer=layer, dt=dt: layer(x.to(dt)), repeats=5)
+    best = min(timed, key=timed.get) if timed else ("float32", "dense")
+    known[key] = list(best)
+    _write(record, known)
     return best
 
 
