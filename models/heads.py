@@ -154,6 +154,12 @@ class MedusaHeads(nn.Module):
         top = self(hidden, count).topk(k, dim=-1).indices
         return self.token_ids[top] if self.token_ids is not None else top
 
+    def top(self, hidden: Tensor, count: int, k: int) -> tuple[Tensor, Tensor]:
+        """`candidates` and their probabilities (count, k) under each head's softmax."""
+        top = self(hidden, count).float().softmax(-1).topk(k, dim=-1)
+        ids = self.token_ids[top.indices] if self.token_ids is not None else top.indices
+        return ids, top.values
+
     def target_index(self, targets: Tensor) -> Tensor:
         """Token ids → positions in this head's output (-100 for tokens outside the subset)."""
         if self.token_ids is None:

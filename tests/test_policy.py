@@ -4,6 +4,7 @@ and the stored step-cost curve."""
 import itertools
 import json
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -66,6 +67,37 @@ def test_it_explores_back_and_grows_when_the_heads_turn_right():
             break
     assert any(explored)  # it tried the heads while plain looked best
     assert p.choose().budget >= 4  # and, finding them right, grew the tree
+
+
+def probabilities(top: list[float]) -> torch.Tensor:
+    """(4, RANKS) head probabilities: `top[k]` for head k's first candidate, the rest spread thin."""
+    probs = torch.full((4, RANKS), 0.004)
+    probs[:, 0] = torch.tensor(top)
+    return probs
+
+
+def test_confident_heads_draft_deep_and_unsure_heads_not_at_all():
+    p = policy(MODERATE)
+    choice = p.choose()
+    assert choice.drafted  # good heads on a moderate curve: worth running
+    sure = p.refine(choice, probabilities([0.97, 0.95, 0.95, 0.95]))
+    assert sure.drafted and sure.budget >= 4 and (0, 0, 0, 0) in sure.paths
+    assert sure.expected_tokens > 4
+    unsure = p.refine(choice, probabilities([0.05, 0.05, 0.05, 0.05]))
+    assert unsure.drafted and unsure.plain and unsure.paths == () and "unsure" in unsure.reason
+
+
+def test_the_calibration_learns_that_confident_heads_were_wrong():
+    p = policy(MODERATE)
+    sure, wrong = probabilities([0.97, 0.95, 0.95, 0.95]), torch.full((4, RANKS), 5)
+    assert p.refine(p.choose(), sure).budget >= 4
+    for _ in range(200):
+        choice = p.choose()
+        if choice.drafted:
+            choice = p.refine(choice, sure)
+        p.observe(choice, wrong if choice.drafted else None, [7, 7, 7, 7, 7], [], 0.01, sure)
+    assert p.calibration[0, 9] < 0.2  # the bin of 0.97 now says "rarely right"
+    assert p.refine(replace(p.choose(), drafted=True), sure).plain
 
 
 def test_lookup_is_taken_when_it_matches_and_dropped_when_it_does_not():

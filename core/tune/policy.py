@@ -16,6 +16,13 @@ prices each option, plain decoding included, and takes the fastest; after it
 - cost: the curve's step time by node count, scaled by how plain and tree steps actually ran
   (two scales: a curve measured while something else ran is wrong in shape, not only in size).
 
+When the heads are worth running, they run first and the step's own tree comes from their
+probabilities (as EAGLE-2 ranks draft nodes by confidence): each candidate's probability, mapped
+through a running calibration of how often candidates of that probability per head were right,
+makes a path's value the product along it; the greedy tree on those values, cut at the budget
+with the most tokens per ms, is this step's tree (plain if none pays). A confident step drafts
+deep, an unsure one not at all.
+
 Plain decoding stays one of the choices, and every `EXPLORE_EVERY` steps without heads the
 policy drafts with them once, so it can come back from plain when the text turns easier.
 The tree is fixed before the forward, so every acceptance rule stays exact.
@@ -43,6 +50,10 @@ CONTEXT_RATE = 0.2  # weight of one lookup in the context's running match length
 COST_RATE = 0.1  # weight of one step in the running cost scales
 MARGIN = 1.03  # a tree must be expected this much faster than plain decoding to be chosen
 RANKS = 10  # candidates per head the policy reads
+TREES = 256  # tree buffers an AutoDrafter keeps built (each step's tree may differ)
+BINS = 10  # the calibration's probability bins, each 0.1 wide
+CALIBRATION_RATE = 0.02  # weight of one checked candidate in its bin's running hit rate
+RUN_HEADS = 0.95  # run the heads while their best tree is expected at least this share of plain's speed
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,8 @@ class Choice:
     expected_tokens: float  # tokens this step is expected to return
     expected_ms: float  # what it is expected to cost
     reason: str  # why, in a few words (shown in the step inspector)
+    drafted: bool = False  # the heads ran (their tree may still be empty)
+    paths: tuple[tuple[int, ...], ...] | None = None  # this step's own head tree (None: the running one's)
 
     @property
     def plain(self) -> bool:
@@ -110,6 +123,8 @@ class Policy:
         self._seen = {False: False, True: False}  # whether a plain / tree step was timed against this curve
         self.since_heads = 0  # steps since the heads last drafted
         self._order: tuple[list[tuple[int, ...]], list[float]] | None = None
+        # (heads, BINS) how often a candidate whose probability fell in the bin was right; starts at the bin's middle
+        self.calibration = ((torch.arange(BINS) + 0.5) / BINS).repeat(max(self.accuracy.shape[0], 1), 1)
 
     # -- choosing --------------------------------------------------------------------------------
 
@@ -137,18 +152,51 @@ class Policy:
             nodes = 1 + budget + (lookup_nodes if lookup else 0)
             ms = (curve.at(nodes) + (curve.heads_ms if budget else 0.0)) * self.scales[True]
             parts = [f"{budget} head nodes"] * bool(budget) + [f"{lookup_nodes} context nodes"] * lookup
-            options.append(Choice(budget, lookup, nodes, 1 + max(heads, context), ms, " + ".join(parts)))
-        best = max(options, key=lambda c: c.expected_tokens / c.expected_ms)
-        if not best.plain and best.expected_tokens / best.expected_ms < MARGIN / plain_ms:
+            options.append(Choice(budget, lookup, nodes, 1 + max(heads, context), ms, " + ".join(parts), budget > 0))
+        rate = {c: c.expected_tokens / c.expected_ms for c in options}
+        drafted = [c for c in options if c.drafted]
+        pick = max(drafted, key=rate.get) if drafted else None
+        if pick and rate[pick] >= RUN_HEADS / plain_ms:  # their own probabilities then pick the tree
+            return replace(pick, reason=pick.reason)
+        best = max(options, key=rate.get)
+        if not best.plain and rate[best] < MARGIN / plain_ms:
             best = options[0]
         if best.plain:
-            drafted = [c for c in options if c.budget]
-            pick = max(drafted, key=lambda c: c.expected_tokens / c.expected_ms) if drafted else None
-            every = max(EXPLORE_EVERY, (pick.expected_ms - plain_ms) / (EXPLORE_SHARE * plain_ms)) if pick else 0
+            every = max(EXPLORE_EVERY, self.heads_ms() / (EXPLORE_SHARE * plain_ms)) if pick else 0
             if pick and self.since_heads >= every:  # re-measure the heads once in a while
                 return replace(pick, reason=f"explore: {pick.reason}, to re-measure the heads")
             return replace(options[0], reason="plain: no tree is expected to pay for its cost")
         return best
+
+    def heads_ms(self) -> float:
+        return self._current().heads_ms * self.scales[True]
+
+    def refine(self, choice: Choice, probs: Tensor, lookup_nodes: int = 0) -> Choice:
+        """This step's tree from the heads' own top-RANKS probabilities (heads, RANKS), once they ran
+        for `choice`: the budget (0 included) with the most expected tokens per ms, the heads'
+        cost being paid already."""
+        values = self.calibrated(probs)
+        values[(values < 0.01) | (probs < 0)] = 0  # never worth a node (or padding), and fewer paths to rank
+        paths, gain = greedy_order(values, MAX_BUDGET)
+        curve = self._current()
+        lookups = (False, True) if self.use_lookup and lookup_nodes else (False,)
+        best, best_rate = None, 0.0
+        for budget, lookup in itertools.product(range(len(gain) + 1), lookups):
+            nodes = 1 + budget + (lookup_nodes if lookup else 0)
+            tokens = 1 + max(gain[budget - 1] if budget else 0.0, self.context_match if lookup else 0.0)
+            ms = (curve.at(nodes) + curve.heads_ms) * self.scales[True]
+            if best is None or tokens / ms > best_rate:
+                best, best_rate = (budget, lookup, nodes, tokens, ms), tokens / ms
+        budget, lookup, nodes, tokens, ms = best
+        parts = [f"{budget} head nodes"] * bool(budget) + [f"{lookup_nodes} context nodes"] * lookup
+        why = " + ".join(parts) or "plain: the heads are unsure this step"
+        explore = "explore: " if choice.reason.startswith("explore") else ""
+        return Choice(budget, lookup, nodes, tokens, ms, explore + why, True, tuple(paths[:budget]))
+
+    def calibrated(self, probs: Tensor) -> Tensor:
+        """(heads, RANKS) probabilities → how often such candidates were right, per head."""
+        bins = (probs.float() * BINS).long().clamp(0, BINS - 1)
+        return self.calibration[: probs.shape[0]].gather(1, bins)
 
     def _current(self) -> CostCurve:
         curve = self.curve() or PRIOR_CURVE
@@ -160,11 +208,11 @@ class Policy:
 
     def observe(
         self, choice: Choice, candidates: Tensor | None, truth: Sequence[int], found: Sequence[Sequence[int]],
-        seconds: float,
+        seconds: float, probs: Tensor | None = None,
     ) -> None:  # fmt: skip
-        """After a step: `candidates` (heads, RANKS) the heads' tokens if they drafted, `truth` the
-        tokens the step emitted (what came after the root, in order), `found` the lookup's
-        continuations, `seconds` what the step took."""
+        """After a step: `candidates` (heads, RANKS) the heads' tokens if they drafted and `probs`
+        their probabilities, `truth` the tokens the step emitted (what came after the root, in
+        order), `found` the lookup's continuations, `seconds` what the step took."""
         if candidates is not None:
             self.since_heads = 0
             known = min(len(truth), candidates.shape[0])  # head k is checked only if the path got that far
@@ -172,12 +220,14 @@ class Policy:
                 match = (candidates[:known] == torch.tensor(truth[:known])[:, None]).float()
                 self.accuracy[:known] += HEADS_RATE * (match - self.accuracy[:known])
                 self._order = None
+                if probs is not None:
+                    self._calibrate(probs[:known], match)
         else:
             self.since_heads += 1
         if found:
             best = max(_common_prefix(c, truth) for c in found)
             self.context_match += CONTEXT_RATE * (best - self.context_match)
-        tree = not choice.plain
+        tree = not choice.plain or choice.drafted
         expected = choice.expected_ms / self.scales[tree]
         if expected > 0 and seconds > 0:
             ratio = 1000 * seconds / expected
@@ -186,6 +236,19 @@ class Policy:
             else:  # later ones move it a little (one odd step, a little less)
                 ratio = min(max(ratio, self.scales[tree] / 3), self.scales[tree] * 3)
                 self.scales[tree] += COST_RATE * (ratio - self.scales[tree])
+
+    def _calibrate(self, probs: Tensor, match: Tensor) -> None:
+        """Move each bin toward how often this step's checked candidates in it were right (n
+        candidates in a bin weigh as n steps of `CALIBRATION_RATE`; padded ranks, -1, skipped)."""
+        valid = (probs >= 0).flatten()
+        bins = (probs.float() * BINS).long().clamp(0, BINS - 1) + BINS * torch.arange(probs.shape[0])[:, None]
+        index, hits = bins.flatten()[valid], match.flatten()[valid]
+        flat = self.calibration.view(-1)
+        count = torch.zeros_like(flat).index_add_(0, index, torch.ones_like(hits))
+        total = torch.zeros_like(flat).index_add_(0, index, hits)
+        seen = count > 0
+        weight = 1 - (1 - CALIBRATION_RATE) ** count[seen]
+        flat[seen] += weight * (total[seen] / count[seen] - flat[seen])
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -206,7 +269,7 @@ class AutoDrafter:
         self.branches, self.length = branches, length
         self.index = NgramIndex(max_ngram)
         self._trees: dict[tuple, TreeBuffers] = {}
-        self._last: tuple[Choice, Tensor | None, list[list[int]]] | None = None
+        self._last: tuple[Choice, Tensor | None, Tensor | None, list[list[int]]] | None = None
 
     def propose(self, hidden: Tensor, root: Tensor, history: Sequence[int] = ()) -> Draft:
         found: list[list[int]] = []
@@ -215,37 +278,38 @@ class AutoDrafter:
             found = self.index.continuations(self.branches, self.length)
         lookup_nodes = node_count(found)
         choice = self.policy.choose(lookup_nodes)
-        candidates = None
-        tokens, tree = [int(root)], self._tree(0)
-        if choice.budget:
+        candidates = probs = None
+        tokens, tree = [int(root)], self._tree(())
+        if choice.drafted:
             with torch.inference_mode():
-                top = self.heads.candidates(hidden, self.policy.accuracy.shape[0], self.ranks).cpu()
-            candidates = torch.nn.functional.pad(top, (0, RANKS - self.ranks), value=-1)
-            tree = self._tree(choice.budget)
+                top, p = self.heads.top(hidden, self.policy.accuracy.shape[0], self.ranks)
+            candidates = torch.nn.functional.pad(top.cpu(), (0, RANKS - self.ranks), value=-1)
+            probs = torch.nn.functional.pad(p.float().cpu(), (0, RANKS - self.ranks), value=-1)
+            choice = self.policy.refine(choice, probs, lookup_nodes)
+            tree = self._tree(choice.paths)
             index = (tree.depth[1:] - 1) * RANKS + tree.rank[1:]  # into the flattened (heads, RANKS) table
             tokens += candidates.flatten()[index].tolist()
         sources: tuple[int, ...] = ()
         if choice.lookup and found:
             tokens, tree, merged = graft(tree, tokens, found, CONTEXT)
             sources = tuple(merged)
-        self._last = (choice, candidates, found)
+        self._last = (choice, candidates, probs, found)
         device = root.device
         return Draft(torch.tensor(tokens, device=device), tree if device.type == "cpu" else tree.to(device), sources)
 
-    def _tree(self, budget: int) -> TreeBuffers:
-        """The greedy tree of `budget` head nodes on the current estimates (kept while they hold)."""
-        paths = tuple(self.policy.order()[0][:budget]) if budget else ()
-        if paths not in self._trees:
-            if len(self._trees) > 64:
-                self._trees.clear()
-            self._trees[paths] = build_tree(list(paths))
-        return self._trees[paths]
+    def _tree(self, paths: tuple[tuple[int, ...], ...]) -> TreeBuffers:
+        """The tree of these head paths (built once, kept among the last `TREES` used)."""
+        tree = self._trees.pop(paths, None) or build_tree(list(paths))
+        self._trees[paths] = tree  # most recently used last
+        if len(self._trees) > TREES:
+            del self._trees[next(iter(self._trees))]
+        return tree
 
     def observe(self, draft: Draft, emitted: Sequence[int], seconds: float) -> None:
         """`emitted`: the step's new tokens (accepted drafts, then the backbone's own)."""
         if self._last is not None:
-            choice, candidates, found = self._last
-            self.policy.observe(choice, candidates, emitted, found, seconds)
+            choice, candidates, probs, found = self._last
+            self.policy.observe(choice, candidates, emitted, found, seconds, probs)
             self._last = None
 
     @property
