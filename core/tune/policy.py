@@ -30,7 +30,6 @@ The tree is fixed before the forward, so every acceptance rule stays exact.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -50,6 +49,7 @@ CONTEXT_RATE = 0.2  # weight of one lookup in the context's running match length
 COST_RATE = 0.1  # weight of one step in the running cost scales
 MARGIN = 1.03  # a tree must be expected this much faster than plain decoding to be chosen
 RANKS = 10  # candidates per head the policy reads
+TABULATED = 2 * MAX_BUDGET + 1  # node counts whose step time is kept in a table (more: interpolated)
 TREES = 256  # tree buffers an AutoDrafter keeps built (each step's tree may differ)
 BINS = 10  # the calibration's probability bins, each 0.1 wide
 CALIBRATION_RATE = 0.02  # weight of one checked candidate in its bin's running hit rate
@@ -120,6 +120,8 @@ class Policy:
         self.context_match = 1.0  # tokens the lookup's best continuation matches, when it finds one
         self.scales = {False: 1.0, True: 1.0}  # observed ÷ the curve's step time, for plain and tree steps
         self._curve: CostCurve | None = None
+        self._ms: list[float] = []
+        self._floor = 0.01
         self._seen = {False: False, True: False}  # whether a plain / tree step was timed against this curve
         self.since_heads = 0  # steps since the heads last drafted
         self._order: tuple[list[tuple[int, ...]], list[float]] | None = None
@@ -140,33 +142,18 @@ class Policy:
         `lookup_nodes` nodes (0: it found nothing), or both."""
         curve = self._current()
         plain_ms = curve.at(1) * self.scales[False]
-        options = [Choice(0, False, 1, 1.0, plain_ms, "plain")]
-        lookups = (False, True) if self.use_lookup and lookup_nodes else (False,)
+        plain = Choice(0, False, 1, 1.0, plain_ms, "plain: no tree is expected to pay for its cost")
         _, gain = self.order() if self.use_heads else ((), [])
-        budgets = range(len(gain) + 1)
-        for budget, lookup in itertools.product(budgets, lookups):
-            if not budget and not lookup:
-                continue
-            heads = gain[budget - 1] if budget else 0.0
-            context = self.context_match if lookup else 0.0
-            nodes = 1 + budget + (lookup_nodes if lookup else 0)
-            ms = (curve.at(nodes) + (curve.heads_ms if budget else 0.0)) * self.scales[True]
-            parts = [f"{budget} head nodes"] * bool(budget) + [f"{lookup_nodes} context nodes"] * lookup
-            options.append(Choice(budget, lookup, nodes, 1 + max(heads, context), ms, " + ".join(parts), budget > 0))
-        rate = {c: c.expected_tokens / c.expected_ms for c in options}
-        drafted = [c for c in options if c.drafted]
-        pick = max(drafted, key=rate.get) if drafted else None
-        if pick and rate[pick] >= RUN_HEADS / plain_ms:  # their own probabilities then pick the tree
-            return replace(pick, reason=pick.reason)
-        best = max(options, key=rate.get)
-        if not best.plain and rate[best] < MARGIN / plain_ms:
-            best = options[0]
-        if best.plain:
-            every = max(EXPLORE_EVERY, self.heads_ms() / (EXPLORE_SHARE * plain_ms)) if pick else 0
-            if pick and self.since_heads >= every:  # re-measure the heads once in a while
-                return replace(pick, reason=f"explore: {pick.reason}, to re-measure the heads")
-            return replace(options[0], reason="plain: no tree is expected to pay for its cost")
-        return best
+        heads = self._fastest(gain, lookup_nodes, curve.heads_ms, heads_only=True) if gain else None
+        if heads and heads.expected_tokens / heads.expected_ms >= RUN_HEADS / plain_ms:
+            return heads  # the heads run; their own probabilities then pick the step's tree (refine)
+        context = self._fastest([], lookup_nodes, 0.0) if self.use_lookup and lookup_nodes else None
+        if context and context.expected_tokens / context.expected_ms >= MARGIN / plain_ms:
+            return context
+        every = max(EXPLORE_EVERY, self.heads_ms() / (EXPLORE_SHARE * plain_ms))
+        if heads and self.since_heads >= every:  # re-measure the heads once in a while
+            return replace(heads, reason=f"explore: {heads.reason}, to re-measure the heads")
+        return plain
 
     def heads_ms(self) -> float:
         return self._current().heads_ms * self.scales[True]
@@ -176,22 +163,38 @@ class Policy:
         for `choice`: the budget (0 included) with the most expected tokens per ms, the heads'
         cost being paid already."""
         values = self.calibrated(probs)
-        values[(values < 0.01) | (probs < 0)] = 0  # never worth a node (or padding), and fewer paths to rank
+        values[(values < self._floor) | (probs < 0)] = 0  # never worth a node (or padding): fewer paths to rank
         paths, gain = greedy_order(values, MAX_BUDGET)
-        curve = self._current()
-        lookups = (False, True) if self.use_lookup and lookup_nodes else (False,)
-        best, best_rate = None, 0.0
-        for budget, lookup in itertools.product(range(len(gain) + 1), lookups):
-            nodes = 1 + budget + (lookup_nodes if lookup else 0)
-            tokens = 1 + max(gain[budget - 1] if budget else 0.0, self.context_match if lookup else 0.0)
-            ms = (curve.at(nodes) + curve.heads_ms) * self.scales[True]
-            if best is None or tokens / ms > best_rate:
-                best, best_rate = (budget, lookup, nodes, tokens, ms), tokens / ms
-        budget, lookup, nodes, tokens, ms = best
-        parts = [f"{budget} head nodes"] * bool(budget) + [f"{lookup_nodes} context nodes"] * lookup
-        why = " + ".join(parts) or "plain: the heads are unsure this step"
+        best = self._fastest(gain, lookup_nodes, self._current().heads_ms, sunk=True)
+        reason = best.reason if best.nodes > 1 else "plain: the heads are unsure this step"
         explore = "explore: " if choice.reason.startswith("explore") else ""
-        return Choice(budget, lookup, nodes, tokens, ms, explore + why, True, tuple(paths[:budget]))
+        return replace(best, reason=explore + reason, drafted=True, paths=tuple(paths[: best.budget]))
+
+    def _fastest(
+        self, gain: Sequence[float], lookup_nodes: int, heads_ms: float, heads_only: bool = False, sunk: bool = False
+    ) -> Choice:
+        """The tree step with the most tokens per ms: `gain[b - 1]` the drafted tokens expected of b
+        head nodes, the lookup's `lookup_nodes` nodes (if any) or both; `heads_only`: at least one
+        head node; `sunk`: the heads ran already (their cost in every option, plain included)."""
+        scale, ms_at = self.scales[True], self._ms
+        lookups = (False, True) if self.use_lookup and lookup_nodes else (False,)
+        best, best_rate = (0, False), -1.0
+        for lookup in lookups:
+            extra, context = (lookup_nodes, self.context_match) if lookup else (0, 0.0)
+            for budget in range(0 if sunk or (lookup and not heads_only) else 1, len(gain) + 1):
+                nodes = 1 + budget + extra
+                ms = (ms_at[nodes] if nodes < len(ms_at) else self._curve.at(nodes)) + (
+                    heads_ms if budget or sunk else 0
+                )
+                rate = (1 + max(gain[budget - 1] if budget else 0.0, context)) / ms
+                if rate > best_rate:
+                    best, best_rate = (budget, lookup), rate
+        budget, lookup = best
+        nodes = 1 + budget + (lookup_nodes if lookup else 0)
+        ms = (ms_at[nodes] if nodes < len(ms_at) else self._curve.at(nodes)) + (heads_ms if budget or sunk else 0)
+        tokens = 1 + max(gain[budget - 1] if budget else 0.0, self.context_match if lookup else 0.0)
+        parts = [f"{budget} head nodes"] * bool(budget) + [f"{lookup_nodes} context nodes"] * lookup
+        return Choice(budget, lookup, nodes, tokens, ms * scale, " + ".join(parts), budget > 0 or sunk)
 
     def calibrated(self, probs: Tensor) -> Tensor:
         """(heads, RANKS) probabilities → how often such candidates were right, per head."""
@@ -202,6 +205,9 @@ class Policy:
         curve = self.curve() or PRIOR_CURVE
         if curve is not self._curve:  # a newly measured curve: what was learned against the old one is void
             self._curve, self.scales, self._seen = curve, {False: 1.0, True: 1.0}, {False: False, True: False}
+            self._ms = [curve.at(n) for n in range(TABULATED)]  # at() per node count, looked up each step
+            # a path less likely than half a node's share of a step's cost never pays for its node
+            self._floor = max(0.001, (self._ms[MAX_BUDGET + 1] - self._ms[1]) / (2 * MAX_BUDGET * self._ms[1]))
         return curve
 
     # -- learning --------------------------------------------------------------------------------
