@@ -55,21 +55,18 @@ def router(engine: Engine) -> APIRouter:
             reply = await run_in_threadpool(engine.reply, call.request, stop.is_set)
             # the first step (the prefill) waits for this reply's turn; errors come before any byte is sent
             first = await run_in_threadpool(next, reply.events)
+            events = itertools.chain([first], reply.events)
+            completion = _Completion(engine.model_id, call, reply)
+            if call.stream:
+                return StreamingResponse(_sse(completion, events, stop), media_type="text/event-stream")
+            steps, done = await run_in_threadpool(collect, events)
+            return JSONResponse(completion.whole(steps, done))
         except ApiError as e:
             return _error(e)
         except UserError as e:
             return _error(_user_error(e))
         except Exception as e:
-            log.exception("an API reply failed")
-            return _error(
-                ApiError(500, f"The reply failed ({type(e).__name__}); details are in the log.", kind="server_error")
-            )
-        events = itertools.chain([first], reply.events)
-        completion = _Completion(engine.model_id, call, reply)
-        if call.stream:
-            return StreamingResponse(_sse(completion, events, stop), media_type="text/event-stream")
-        steps, done = await run_in_threadpool(collect, events)
-        return JSONResponse(completion.whole(steps, done))
+            return _error(_failure(e))
 
     return api
 
@@ -80,6 +77,12 @@ def _user_error(e: UserError) -> ApiError:
     if isinstance(e, ContextExceeded):
         return ApiError(400, str(e), "messages", "context_length_exceeded")
     return ApiError(400, str(e), None, "invalid_value")
+
+
+def _failure(e: Exception) -> ApiError:
+    """Something that should not happen: logged with its traceback, one sentence for the caller."""
+    log.exception("an API reply failed")
+    return ApiError(500, f"The reply failed ({type(e).__name__}); details are in the log.", kind="server_error")
 
 
 def _error(e: ApiError) -> JSONResponse:
@@ -151,10 +154,7 @@ async def _sse(
         if completion.call.include_usage:
             yield _data({**completion.chunk({}), "choices": [], "usage": completion.usage(item)})
     except Exception as e:  # after the first byte the status is sent: the error goes in the stream
-        log.exception("an API reply failed while streaming")
-        yield _data(
-            ApiError(500, f"The reply failed ({type(e).__name__}); details are in the log.", kind="server_error").body()
-        )
+        yield _data(_failure(e).body())
     finally:
         stop.set()  # the client left (or the reply ended): the compute thread moves on
     yield "data: [DONE]\n\n"

@@ -82,6 +82,7 @@ class Engine:
         self.error: str | None = None
         self._drafters: dict[tuple[str, str], tuple[Preset, Drafter]] = {}
         self._drafters_lock = threading.Lock()  # the chat and the API ask from threads of their own
+        self._closing = threading.Event()  # every reply in progress ends at its next step
         self.compute = ComputeThread()
 
     def start(self) -> None:
@@ -213,9 +214,20 @@ class Engine:
         is plain decoding. `seed` None: a fresh seed from the OS, without touching torch's global generator."""
         b = self.require().backbone
         generator = torch.Generator(b.model.device).manual_seed(secrets.randbits(63) if seed is None else seed)
+
+        def stopped() -> bool:
+            return self._closing.is_set() or should_stop()
+
         return self.compute.stream(
-            lambda: stream(b.model, prompt_ids, settings, drafter, b.tokenizer, b.eos_ids, generator, should_stop)
+            lambda: stream(b.model, prompt_ids, settings, drafter, b.tokenizer, b.eos_ids, generator, stopped)
         )
+
+    def close(self, timeout: float = 30) -> None:
+        """End the work in progress (a reply at its next step; loading runs to its end, at most
+        `timeout` seconds) and drop what is queued, so the process can exit cleanly."""
+        self._closing.set()
+        if not self.compute.close(timeout):
+            log.warning("model work still running after %s s at exit", timeout)
 
     def token_text(self, token_id: int) -> str:
         return self.require().backbone.tokenizer.decode([token_id])

@@ -29,6 +29,7 @@ class Server:
     url: str  # where the chat is; the API is under url + "/v1"
     _uvicorn: uvicorn.Server
     _thread: threading.Thread
+    _engine: Engine
 
     def wait(self) -> None:
         """Block until the server stops; Ctrl-C raises KeyboardInterrupt here, in the caller's thread."""
@@ -36,8 +37,10 @@ class Server:
             self._thread.join(0.5)
 
     def close(self) -> None:
-        """Stop serving: no new connections, open ones closed after SHUTDOWN_SECONDS at most."""
+        """Stop serving (no new connections, open ones closed after SHUTDOWN_SECONDS at most) and
+        end the engine's work, replies in progress included, so the process exits cleanly."""
         self._uvicorn.should_exit = True
+        self._engine.close()
         self._thread.join(SHUTDOWN_SECONDS + 5)
 
 
@@ -56,4 +59,4 @@ def start(engine: Engine, host: str = "127.0.0.1", port: int = 7860) -> Server:
         if not thread.is_alive():
             raise UserError(f"Could not listen on {host}:{port} (the port may be taken); pass another --port.")
         time.sleep(0.02)
-    return Server(f"http://{host}:{port}", server, thread)
+    return Server(f"http://{host}:{port}", server, thread, engine)

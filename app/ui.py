@@ -115,7 +115,7 @@ def build(engine: Engine) -> gr.Blocks:
                         ACCEPTANCE, value=saved["acceptance"], label="Acceptance", elem_id="acceptance",
                         info="Lossless keeps the model's own output; Typical accepts plausible drafts for speed",
                     )  # fmt: skip
-                    typical = saved["acceptance"] == "Typical"
+                    typical = saved["acceptance"] == ACCEPTANCE[1]  # "Typical"
                     epsilon = gr.Slider(
                         0.01, 1.0, value=saved["epsilon"], step=0.01, interactive=typical, elem_id="epsilon",
                         label="ε: accept a draft whose probability exceeds this (or δ·e^−H, whichever is lower)",
@@ -324,7 +324,7 @@ def build(engine: Engine) -> gr.Blocks:
         colors.change(recolor, [session, colors], chatbot)
 
         def toggle_typical(acc):
-            on = acc == "Typical"
+            on = acc == ACCEPTANCE[1]
             return gr.update(interactive=on), gr.update(interactive=on)
 
         acceptance.change(toggle_typical, acceptance, [epsilon, delta])

@@ -26,6 +26,7 @@ from fastapi.testclient import TestClient
 
 from app import api
 from app.engine import Engine
+from core.generate import Finished
 from core.tree import DRAFTERS
 from models.embedded import EMBEDDED_ID
 
@@ -273,6 +274,31 @@ def test_concurrent_requests_and_a_chat_turn_run_one_after_another(server, cli_r
     assert len(runs) == 3 and len({thread for thread, _, _ in runs}) == 1  # all on the one compute thread
     runs.sort(key=lambda r: r[1])
     assert all(later[1] >= earlier[2] for earlier, later in itertools.pairwise(runs)), runs
+
+
+@pytest.mark.embedded
+def test_a_client_that_leaves_mid_stream_ends_its_reply(server, monkeypatch):
+    import app.engine
+
+    finished: list[Finished] = []
+    real_stream = app.engine.stream
+
+    def spy(*args, **kwargs):
+        for event in real_stream(*args, **kwargs):
+            yield event
+        finished.append(event)
+
+    monkeypatch.setattr(app.engine, "stream", spy)
+    body = {"model": EMBEDDED_ID, "messages": messages("Write a very long story about a lighthouse."),
+            "max_tokens": 1500, "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=120) as response:
+        for seen, _ in enumerate(response.iter_lines()):
+            if seen == 8:
+                break
+    deadline = time.time() + 60
+    while not finished and time.time() < deadline:
+        time.sleep(0.1)
+    assert finished and finished[0].finish_reason == "cancelled" and len(finished[0].token_ids) < 1500
 
 
 @pytest.mark.embedded
