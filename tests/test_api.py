@@ -244,8 +244,10 @@ def test_concurrent_requests_and_a_chat_turn_run_one_after_another(server, cli_r
 
     def spy(*args, **kwargs):
         start = time.perf_counter()
-        yield from real_stream(*args, **kwargs)
-        runs.append((threading.get_ident(), start, time.perf_counter()))
+        for event in real_stream(*args, **kwargs):
+            if isinstance(event, Finished):  # recorded before anyone can see the reply finished
+                runs.append((threading.get_ident(), start, time.perf_counter()))
+            yield event
 
     monkeypatch.setattr(app.engine, "stream", spy)
     chat = Client(f"{server.url}/", verbose=False)
@@ -285,8 +287,9 @@ def test_a_client_that_leaves_mid_stream_ends_its_reply(server, monkeypatch):
 
     def spy(*args, **kwargs):
         for event in real_stream(*args, **kwargs):
+            if isinstance(event, Finished):
+                finished.append(event)
             yield event
-        finished.append(event)
 
     monkeypatch.setattr(app.engine, "stream", spy)
     body = {"model": EMBEDDED_ID, "messages": messages("Write a very long story about a lighthouse."),
