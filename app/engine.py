@@ -3,15 +3,19 @@
 It loads in the background so the page is ready at once, can switch to another catalog
 model (downloading with progress), and turns a conversation plus settings into the core's
 event stream. All model work (loading, decoding, measuring this machine's step costs) runs on
-one `ComputeThread`, in order, one job at a time. No decoding logic here.
+one `ComputeThread`, in order, one job at a time: a whole reply is one job, so replies asked
+for by the chat and by the API never run at once. `Engine.reply` is the one way in for both:
+a `ReplyRequest` (a conversation and its settings) becomes a `Reply` (the fitted prompt, the
+resolved tree and drafter, and the event stream). No decoding logic here.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
+import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,15 +24,43 @@ from core.drafters import make_drafter
 from core.errors import UserError
 from core.generate import Finished, StepEvent, context_length, stream
 from core.history import Fitted, fit_history
-from core.settings import DecodeSettings
+from core.settings import MODES, DecodeSettings
 from core.step import Drafter
-from core.tree import AUTO, Preset, load_preset, preset_names
+from core.tree import AUTO, DRAFTERS, Preset, load_preset, preset_names
 from core.tune.costs import StepCosts
 from core.tune.policy import auto_drafter
 from core.worker import ComputeThread
 from models.loader import Backbone, heads_for, load_backbone, resolve, resolve_heads, step_costs
 
 log = logging.getLogger("medusa-chat")
+
+MODEL_TREE = "(model default)"  # the tree name that means the loaded model's calibrated preset
+
+
+class NotReady(UserError):
+    """No model to answer with: it is still loading, or loading it failed."""
+
+
+@dataclass(frozen=True)
+class ReplyRequest:
+    messages: list[dict]  # the conversation ({"role", "content"}), oldest first, ending with the user's message
+    settings: DecodeSettings
+    system: str = ""  # the system prompt ("" for none)
+    mode: str = "medusa"  # one of MODES: tree decoding, or the plain one-token loop
+    tree: str = AUTO  # AUTO (the policy chooses each step's tree), MODEL_TREE or a preset name
+    drafter: str = ""  # one of DRAFTERS, or "" for the one the tree was calibrated with
+    seed: int | None = None  # for sampling; None: a fresh seed from the OS
+
+
+@dataclass(frozen=True)
+class Reply:
+    prompt_ids: list[int]  # the prompt the model reads (oldest turns left out if they did not fit)
+    note: str  # a sentence saying which oldest messages were left out, or ""
+    dropped: int  # how many messages were left out
+    tree: str | None  # the tree resolved (AUTO or a preset name); None for plain decoding
+    drafter: str | None  # the drafter resolved; None for plain decoding
+    depth: int  # how far ahead the drafts reach (0 for plain decoding): the depths stats are kept for
+    events: Iterator[StepEvent | Finished] = field(repr=False)  # the stream; starts when first read
 
 
 @dataclass(frozen=True)
@@ -49,6 +81,8 @@ class Engine:
         self.loaded: Loaded | None = None
         self.error: str | None = None
         self._drafters: dict[tuple[str, str], tuple[Preset, Drafter]] = {}
+        self._drafters_lock = threading.Lock()  # the chat and the API ask from threads of their own
+        self._closing = threading.Event()  # every reply in progress ends at its next step
         self.compute = ComputeThread()
 
     def start(self) -> None:
@@ -103,53 +137,106 @@ class Engine:
 
     def require(self) -> Loaded:
         if self.loaded is None:
-            raise UserError(self.error or f"{self.model_id} is still loading; try again in a moment.")
+            raise NotReady(self.error or f"{self.model_id} is still loading; try again in a moment.")
         return self.loaded
 
     def drafter(self, tree_name: str, kind: str | None = None) -> tuple[Preset, Drafter]:
         """The tree preset and a drafter of `kind` (default: the one the preset was calibrated for).
         `tree_name` AUTO: the speculation policy, with the model's own preset as its prior."""
         key = (tree_name, kind or "")
-        if key not in self._drafters:
-            loaded = self.require()
-            if tree_name == AUTO:
-                preset = load_preset(loaded.default_tree)
-                drafter = auto_drafter(kind or preset.drafter, loaded.heads, loaded.costs.curve, preset, loaded.trained)
-            else:
-                preset = load_preset(tree_name)
-                tree = preset.tree.to(loaded.backbone.model.device)
-                drafter = make_drafter(
-                    kind or preset.drafter, loaded.heads, tree, f"Tree '{preset.name}'",
-                    preset.lookup_branches, preset.lookup_length,
-                )  # fmt: skip
-            self._drafters[key] = (preset, drafter)
-        return self._drafters[key]
+        with self._drafters_lock:
+            if key not in self._drafters:
+                self._drafters[key] = self._new_drafter(tree_name, kind)
+            return self._drafters[key]
+
+    def _new_drafter(self, tree_name: str, kind: str | None) -> tuple[Preset, Drafter]:
+        loaded = self.require()
+        if tree_name == AUTO:
+            preset = load_preset(loaded.default_tree)
+            drafter = auto_drafter(kind or preset.drafter, loaded.heads, loaded.costs.curve, preset, loaded.trained)
+        else:
+            preset = load_preset(tree_name)
+            tree = preset.tree.to(loaded.backbone.model.device)
+            drafter = make_drafter(
+                kind or preset.drafter, loaded.heads, tree, f"Tree '{preset.name}'",
+                preset.lookup_branches, preset.lookup_length,
+            )  # fmt: skip
+        return preset, drafter
 
     def prepare(self, messages: list[dict], system: str, settings: DecodeSettings) -> Fitted:
         """The prompt for a conversation, its oldest turns left out if it would not fit the
-        context with room for the reply; a UserError if the newest message cannot fit at all."""
+        context with room for the reply; a ContextExceeded if the newest message cannot fit at all."""
         b = self.require().backbone
         return fit_history(
             b.encode_messages, messages, system or None, context_length(b.model), settings.max_new_tokens
         )
 
+    def reply(self, request: ReplyRequest, should_stop: Callable[[], bool] = lambda: False) -> Reply:
+        """Fit the conversation, resolve its tree and drafter, and queue the reply (behind any
+        reply in progress). Mistakes (a bad mode, tree or drafter, a message that cannot fit,
+        no model yet) raise a UserError here, before anything is queued."""
+        if request.mode not in MODES:
+            raise UserError(f"The mode must be {' or '.join(MODES)}, got '{request.mode}'.")
+        if request.drafter and request.drafter not in DRAFTERS:
+            raise UserError(f"Unknown drafter '{request.drafter}'; choose one of {', '.join(DRAFTERS)}.")
+        fitted = self.prepare(request.messages, request.system, request.settings)
+        tree, kind, depth, drafter = None, None, 0, None
+        if request.mode == "medusa":
+            tree = self._tree(request.tree)
+            preset, drafter = self.drafter(tree, request.drafter or None)
+            kind = request.drafter or preset.drafter
+            heads = self.require().heads.num_heads if tree == AUTO else preset.tree.max_depth
+            depth = max(heads if kind != "lookup" else 0, preset.lookup_length if kind != "medusa" else 0)
+        events = self.generate(fitted.ids, request.settings, drafter, should_stop, request.seed)
+        return Reply(fitted.ids, fitted.note, fitted.dropped, tree, kind, depth, events)
+
+    def _tree(self, choice: str) -> str:
+        """A tree choice as AUTO or a preset name ("" means AUTO, MODEL_TREE the model's own preset)."""
+        if choice in ("", AUTO):
+            return AUTO
+        if choice == MODEL_TREE:
+            return self.require().default_tree
+        if choice not in preset_names():
+            raise UserError(
+                f"Unknown tree '{choice}'; choose {AUTO}, {MODEL_TREE} or one of {', '.join(preset_names())}."
+            )
+        return choice
+
     def generate(
         self,
         prompt_ids: list[int],
         settings: DecodeSettings,
-        drafter_kind: str | None,
-        tree_name: str,
+        drafter: Drafter | None,
         should_stop: Callable[[], bool],
+        seed: int | None = None,
     ) -> Iterator[StepEvent | Finished]:
-        """`drafter_kind`: "medusa", "lookup", "hybrid", "" for the tree's own, None for plain decoding."""
-        loaded = self.require()
-        b = loaded.backbone
-        drafter = None if drafter_kind is None else self.drafter(tree_name, drafter_kind or None)[1]
-        # a fresh seed per reply from the OS, without touching torch's global generator
-        generator = torch.Generator(b.model.device).manual_seed(secrets.randbits(63))
+        """The event stream of one reply to `prompt_ids`, run on the compute thread; `drafter` None
+        is plain decoding. `seed` None: a fresh seed from the OS, without touching torch's global generator."""
+        b = self.require().backbone
+        generator = torch.Generator(b.model.device).manual_seed(secrets.randbits(63) if seed is None else seed)
+
+        def stopped() -> bool:
+            return self._closing.is_set() or should_stop()
+
         return self.compute.stream(
-            lambda: stream(b.model, prompt_ids, settings, drafter, b.tokenizer, b.eos_ids, generator, should_stop)
+            lambda: stream(b.model, prompt_ids, settings, drafter, b.tokenizer, b.eos_ids, generator, stopped)
         )
+
+    def close(self, timeout: float = 30) -> None:
+        """End the work in progress (a reply at its next step; loading runs to its end, at most
+        `timeout` seconds) and drop what is queued, so the process can exit cleanly."""
+        self._closing.set()
+        if not self.compute.close(timeout):
+            log.warning("model work still running after %s s at exit", timeout)
 
     def token_text(self, token_id: int) -> str:
         return self.require().backbone.tokenizer.decode([token_id])
+
+
+def figures(done: Finished) -> dict:
+    """A finished reply's numbers, as the chat's stats and the API's `medusa` field give them."""
+    return {
+        "tokens": len(done.token_ids), "steps": done.steps, "seconds": done.seconds,
+        "tokens_per_step": done.tokens_per_step, "tokens_per_second": done.tokens_per_second,
+        "first_token_seconds": done.first_token_seconds, "finish_reason": done.finish_reason,
+    }  # fmt: skip

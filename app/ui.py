@@ -10,36 +10,22 @@ import html
 import logging
 import tempfile
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 
 import gradio as gr
 
 from app import store
-from app.engine import Engine
+from app.controls import ACCEPTANCE, DECODING, DEFAULTS, NAMES, Controls
+from app.engine import MODEL_TREE, Engine, figures
 from app.render import LEGEND, depth_rates, reply_html, stats_html, step_source, text_html, tree_html
 from core.errors import UserError
 from core.generate import Finished, StepEvent
-from core.settings import DecodeSettings
 from core.tree import AUTO, DRAFT_SOURCES, preset_names
 from models import catalog
 
 log = logging.getLogger("medusa-chat")
-
-DEFAULTS = {  # saved settings, in the order of the controls that show them
-    "system": "",
-    "decoding": "Medusa",
-    "acceptance": "Lossless",
-    "epsilon": 0.09,
-    "delta": 0.3,
-    "temperature": 0.0,
-    "top_p": 1.0,
-    "max_new_tokens": 256,
-    "tree": "",
-    "drafter": "",
-    "colors": True,
-}
 
 
 @dataclass
@@ -124,14 +110,12 @@ def build(engine: Engine) -> gr.Blocks:
                 compare_out = gr.HTML(elem_id="compare-out")
             with gr.Column(scale=2):
                 with gr.Accordion("Decoding", open=True):
-                    decoding = gr.Radio(
-                        ["Medusa", "Plain"], value=saved["decoding"], label="Decoding", elem_id="decoding"
-                    )
+                    decoding = gr.Radio(list(DECODING), value=saved["decoding"], label="Decoding", elem_id="decoding")
                     acceptance = gr.Radio(
-                        ["Lossless", "Typical"], value=saved["acceptance"], label="Acceptance", elem_id="acceptance",
+                        ACCEPTANCE, value=saved["acceptance"], label="Acceptance", elem_id="acceptance",
                         info="Lossless keeps the model's own output; Typical accepts plausible drafts for speed",
                     )  # fmt: skip
-                    typical = saved["acceptance"] == "Typical"
+                    typical = saved["acceptance"] == ACCEPTANCE[1]  # "Typical"
                     epsilon = gr.Slider(
                         0.01, 1.0, value=saved["epsilon"], step=0.01, interactive=typical, elem_id="epsilon",
                         label="ε: accept a draft whose probability exceeds this (or δ·e^−H, whichever is lower)",
@@ -147,7 +131,7 @@ def build(engine: Engine) -> gr.Blocks:
                     max_new = gr.Slider(16, 2048, value=saved["max_new_tokens"], step=16, label="Max new tokens")
                     tree = gr.Dropdown(
                         [("Auto: chosen each step for this machine", AUTO),
-                         ("The model's calibrated tree", "(model default)"), *trees],
+                         ("The model's calibrated tree", MODEL_TREE), *trees],
                         value=saved["tree"] or AUTO, label="Tree", elem_id="tree",
                         info="Auto prices every tree (plain decoding included) with this machine's measured costs",
                     )  # fmt: skip
@@ -169,64 +153,45 @@ def build(engine: Engine) -> gr.Blocks:
                     step_pick = gr.Slider(1, 2, value=1, step=1, label="Step of the last reply")
                     inspector = gr.HTML()
 
-        controls = [system, decoding, acceptance, epsilon, delta, temperature, top_p, max_new, tree, drafter, colors]
+        named = {
+            "system": system, "decoding": decoding, "acceptance": acceptance, "epsilon": epsilon, "delta": delta,
+            "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new, "tree": tree, "drafter": drafter,
+            "colors": colors,
+        }  # fmt: skip
+        controls = [named[name] for name in NAMES]  # a handler's `*values`; Controls.of names them again
 
         # -- helpers bound to this engine -------------------------------------------------
 
-        def settings_of(acc, eps, dlt, temp, tp, mx) -> DecodeSettings:
-            return DecodeSettings(
-                acceptance=acc.lower(), temperature=float(temp), top_p=float(tp), epsilon=float(eps),
-                delta=float(dlt), max_new_tokens=int(mx),
-            )  # fmt: skip
-
-        def tree_of(choice: str) -> str:
-            if choice in ("", AUTO):
-                return AUTO
-            return engine.require().default_tree if choice == "(model default)" else choice
-
-        def run_turn(s: Session, sys_prompt, dec, acc, eps, dlt, temp, tp, mx, tr, drf, col):
+        def run_turn(s: Session, c: Controls):
             """Stream the reply to the chat's last turn; save it when it ends."""
             turn = s.chat.turns[-1]
-            settings = settings_of(acc, eps, dlt, temp, tp, mx)
-            fitted = engine.prepare(_conversation(s.chat.turns[:-1], turn.user), sys_prompt, settings)
-            if fitted.note:
-                gr.Warning(fitted.note)
-            tree_name = tree_of(tr)
-            medusa = dec == "Medusa"
-            kind, depth = None, 0
-            if medusa:
-                preset = engine.drafter(tree_name, drf or None)[0]
-                kind = drf or preset.drafter
-                heads = engine.require().heads.num_heads if tree_name == AUTO else preset.tree.max_depth
-                depth = max(heads if kind != "lookup" else 0, preset.lookup_length if kind != "medusa" else 0)
             s.stop.clear()
-            s.events, s.max_depth, s.prompt = [], depth, fitted.ids
-            events = engine.generate(fitted.ids, settings, kind, tree_name, s.stop.is_set)
+            reply = engine.reply(c.request(_conversation(s.chat.turns[:-1], turn.user)), s.stop.is_set)
+            if reply.note:
+                gr.Warning(reply.note)
+            s.events, s.max_depth, s.prompt = [], reply.depth, reply.prompt_ids
             sources = dict.fromkeys(DRAFT_SOURCES, 0)
-            for e in events:
+            for e in reply.events:
                 if isinstance(e, Finished):
                     turn.assistant, turn.finished = e.text, e.finish_reason != "cancelled"
-                    turn.stats = {
-                        "tokens": len(e.token_ids), "steps": e.steps, "seconds": e.seconds,
-                        "tokens_per_step": e.tokens_per_step, "tokens_per_second": e.tokens_per_second,
-                        "first_token_seconds": e.first_token_seconds, "finish_reason": e.finish_reason,
-                        "mode": dec, "acceptance": acc, "tree": tree_name if medusa else None,
-                        "drafter": kind, "sources": sources,
+                    turn.stats = figures(e) | {
+                        "mode": c.decoding, "acceptance": c.acceptance, "tree": reply.tree, "drafter": reply.drafter,
+                        "sources": sources,
                     }  # fmt: skip
                     s.medusa_stats = turn.stats
                     if s.chat.title == "New chat":
                         s.chat.title = turn.user.strip().splitlines()[0][:60] or "Chat"
                     s.chat.model = engine.model_id
                     store.save_chat(s.chat)
-                    yield _messages(s.chat, col), _stats(turn.stats, s.events, depth), True
+                    yield _messages(s.chat, c.colors), _stats(turn.stats, s.events, reply.depth), True
                     return
                 s.events.append(e)
                 for k in e.sources:
                     sources[k] += 1
                 turn.steps.append((e.text, e.accepted, step_source(e.sources)))
                 yield (
-                    _messages(s.chat, col)[:-1]
-                    + [{"role": "assistant", "content": reply_html(turn.steps, col, streaming=True)}],
+                    _messages(s.chat, c.colors)[:-1]
+                    + [{"role": "assistant", "content": reply_html(turn.steps, c.colors, streaming=True)}],
                     gr.skip(),
                     False,
                 )
@@ -238,24 +203,24 @@ def build(engine: Engine) -> gr.Blocks:
 
         # -- events ----------------------------------------------------------------------
 
-        def send(message, s, *ctl):
-            s = _session(s, engine)
+        def send(message, s, *values):
+            s, c = _session(s, engine), Controls.of(values)
             if not message or not message.strip():
                 gr.Warning("Type a message first.")
                 yield gr.skip(), s, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
                 return
             try:  # a bad setting or a message that cannot fit is refused before the turn is stored
-                engine.prepare(_conversation(s.chat.turns, message), ctl[0], settings_of(*ctl[2:8]))
+                engine.reply(c.request(_conversation(s.chat.turns, message)))  # runs nothing until its events are read
             except UserError as e:
                 gr.Warning(str(e))
                 yield gr.skip(), s, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
                 return
             s.chat.turns.append(store.Turn(user=message))
-            yield from _stream_turn(s, ctl)
+            yield from _stream_turn(s, c)
 
-        def _stream_turn(s, ctl):
+        def _stream_turn(s: Session, c: Controls):
             try:
-                for chat_value, stats_value, done in run_turn(s, *ctl):
+                for chat_value, stats_value, done in run_turn(s, c):
                     if done:
                         yield (chat_value, s, "", stats_value, *finish_outputs(s))
                     else:
@@ -263,22 +228,22 @@ def build(engine: Engine) -> gr.Blocks:
             except UserError as e:
                 gr.Warning(str(e))
                 _save_partial(s)
-                yield _messages(s.chat, ctl[-1]), s, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+                yield _messages(s.chat, c.colors), s, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
             except Exception as e:
                 log.exception("generation failed")
                 gr.Warning(f"Generation failed ({type(e).__name__}: {e}); details are in the log.")
                 _save_partial(s)
-                yield _messages(s.chat, ctl[-1]), s, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+                yield _messages(s.chat, c.colors), s, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
 
-        def regenerate(s, *ctl):
-            s = _session(s, engine)
+        def regenerate(s, *values):
+            s, c = _session(s, engine), Controls.of(values)
             if not s.chat.turns:
                 gr.Warning("Nothing to regenerate yet.")
                 yield gr.skip(), s, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
                 return
             last = s.chat.turns[-1]
             s.chat.turns[-1] = store.Turn(user=last.user)
-            yield from _stream_turn(s, ctl)
+            yield from _stream_turn(s, c)
 
         def stop(s):
             if s is not None:
@@ -359,27 +324,25 @@ def build(engine: Engine) -> gr.Blocks:
         colors.change(recolor, [session, colors], chatbot)
 
         def toggle_typical(acc):
-            on = acc == "Typical"
+            on = acc == ACCEPTANCE[1]
             return gr.update(interactive=on), gr.update(interactive=on)
 
         acceptance.change(toggle_typical, acceptance, [epsilon, delta])
 
         def remember(*values):
-            store.save_settings(
-                dict(zip([k for k in DEFAULTS], values, strict=True)) | {"tree": _tree_setting(values[8])}
-            )
+            c = Controls.of(values)
+            store.save_settings(asdict(c) | {"tree": _tree_setting(c.tree)})
 
         for c in controls:
             c.change(remember, controls, None, queue=False)
 
-        def compare(s, *ctl):
-            s = _session(s, engine)
+        def compare(s, *values):
+            s, c = _session(s, engine), Controls.of(values)
             if not s.prompt or not s.medusa_stats:
                 gr.Warning("Send a message first; the comparison re-runs the last reply without speculation.")
                 return gr.skip()
-            settings = settings_of(*ctl[2:8])
             try:
-                *_, done = engine.generate(s.prompt, settings, None, "cpu-16", lambda: False)
+                *_, done = engine.generate(s.prompt, c.settings(), None, lambda: False)
             except UserError as e:
                 gr.Warning(str(e))
                 return gr.skip()

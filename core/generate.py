@@ -17,7 +17,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from core import cache as kv
-from core.errors import UserError
+from core.errors import ContextExceeded, UserError
 from core.settings import DecodeSettings
 from core.step import Draft, Drafter, NoDrafter, accept, commit, first_token, prefill, verify
 from core.text import Decoder, Detokenizer
@@ -83,7 +83,7 @@ def stream(
         raise UserError("The prompt is empty; type a message first.")
     context = context_length(model)
     if len(prompt_ids) >= context:
-        raise UserError(
+        raise ContextExceeded(
             f"The prompt is {len(prompt_ids)} tokens but the model reads at most {context}; "
             "shorten it or start a new chat."
         )

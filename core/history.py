@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from core.errors import UserError
+from core.errors import ContextExceeded
 
 MIN_REPLY = 32  # tokens of room a turn must leave for its reply to be accepted at all
 
@@ -44,7 +44,7 @@ def fit_history(encode: Encode, messages: list[dict], system: str | None, contex
             break
         first = _next_user(messages, first)
     if len(ids) + min(room, MIN_REPLY) > context:
-        raise UserError(
+        raise ContextExceeded(
             f"This message is {len(ids)} tokens with the system prompt, but the model reads at most "
             f"{context} including the reply; shorten it."
         )

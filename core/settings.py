@@ -9,6 +9,7 @@ from core.acceptance import check_typical
 from core.errors import UserError
 
 ACCEPTANCE_RULES = ("lossless", "typical")
+MODES = ("medusa", "baseline")  # tree decoding with a drafter, or the plain one-token loop
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,26 @@ _END = object()
 class ComputeThread:
     def __init__(self, name: str = "medusa-compute") -> None:
         self._jobs: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
+        self._closed = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
+
+    def close(self, timeout: float) -> bool:
+        """Drop the jobs not started yet and wait up to `timeout` seconds for the one running to
+        end; True if the thread is done. (A process that exits while torch works on a thread of
+        its own aborts with "terminate called without an active exception".)"""
+        self._closed.set()
+        self._jobs.put((_END, Future()))
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _serve(self) -> None:
         while True:
             fn, future = self._jobs.get()
+            if fn is _END:
+                return
+            if self._closed.is_set():  # queued before close: never started
+                future.cancel()
             if not future.set_running_or_notify_cancel():
                 continue
             try:
@@ -39,7 +53,10 @@ class ComputeThread:
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Run `fn` after the jobs already queued; its result (or exception) comes through the future."""
         future: Future[T] = Future()
-        self._jobs.put((fn, future))
+        if self._closed.is_set():  # never runs: waiting on it raises CancelledError
+            future.cancel()
+        else:
+            self._jobs.put((fn, future))
         return future
 
     def call(self, fn: Callable[[], T]) -> T:
@@ -65,7 +82,8 @@ class ComputeThread:
             finally:
                 items.put((True, _END))
 
-        self.submit(job)
+        # a job dropped by `close` never runs: the stream then ends with no items
+        self.submit(job).add_done_callback(lambda f: f.cancelled() and items.put((True, _END)))
         try:
             while True:
                 ok, item = items.get()

@@ -218,3 +218,25 @@ def test_compute_thread_streams_in_order_and_passes_errors():
     with pytest.raises(ValueError, match="boom"):
         list(worker.stream(failing))
     assert worker.call(lambda: 42) == 42
+
+
+def test_closing_the_compute_thread_ends_the_job_running_and_drops_the_rest():
+    import threading
+    from concurrent.futures import CancelledError
+
+    worker, started, release = ComputeThread(), threading.Event(), threading.Event()
+
+    def job() -> str:
+        started.set()
+        release.wait(10)
+        return "done"
+
+    running = worker.submit(job)
+    queued = worker.submit(lambda: "never")
+    started.wait(10)
+    threading.Timer(0.2, release.set).start()
+    assert worker.close(timeout=10)  # waited for the running job
+    assert running.result() == "done" and queued.cancelled()
+    with pytest.raises(CancelledError):
+        worker.call(lambda: "never")
+    assert list(worker.stream(lambda: iter(range(3)))) == []

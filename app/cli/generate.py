@@ -8,6 +8,7 @@ import sys
 
 from app.cli.options import decoding_options, setup
 from core.errors import UserError
+from core.settings import MODES
 from core.tree import AUTO
 
 HELP = "answer one prompt (the reply on stdout; with --json one JSON object)"
@@ -16,7 +17,7 @@ HELP = "answer one prompt (the reply on stdout; with --json one JSON object)"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True)
     p.add_argument("--system", help="system prompt")
-    p.add_argument("--mode", default="medusa", choices=["medusa", "baseline"], help="medusa: tree decoding")
+    p.add_argument("--mode", default="medusa", choices=MODES, help="medusa: tree decoding")
     p.add_argument("--num-samples", type=int, default=1, help="independent samples (seeded from --seed)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     decoding_options(p)

@@ -1,4 +1,4 @@
-"""`medusa-chat ui` (also `medusa-chat` alone): the chat in the browser, served on this machine."""
+"""`medusa-chat ui` (also `medusa-chat` alone): the chat in the browser and an OpenAI-compatible API, served here."""
 
 from __future__ import annotations
 
@@ -32,23 +32,23 @@ def _free_port(host: str, start: int = 7860) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    import webbrowser
+
     from app.engine import Engine
-    from app.ui import build, css
+    from app.server import start
 
     port = args.port or _free_port(args.host)
     engine = Engine(args.model, args.dtype, args.device, args.quantization, args.heads)
     engine.start()
-    demo = build(engine)
-    demo.queue(default_concurrency_limit=1)
-    print(f"medusa-chat is running at http://{args.host}:{port} (Ctrl-C to quit)", file=sys.stderr, flush=True)
+    server = start(engine, args.host, port)
+    print(f"medusa-chat is running at {server.url} (API: {server.url}/v1; Ctrl-C to quit)", file=sys.stderr, flush=True)
     try:
-        demo.launch(
-            server_name=args.host, server_port=port, share=False, inbrowser=not args.no_browser,
-            css=css(), quiet=True, show_error=False,
-        )  # fmt: skip
+        if not args.no_browser:
+            webbrowser.open(server.url)
+        server.wait()
     except KeyboardInterrupt:
         pass
     finally:
-        demo.close()
+        server.close()
     print("medusa-chat stopped.", file=sys.stderr)
     return 0

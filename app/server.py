@@ -1,0 +1,62 @@
+"""The one local web server: the chat page and the OpenAI-compatible API on one port.
+
+A FastAPI app holds the API's routes (`app.api`) and mounts the Gradio chat at `/` with
+Gradio's documented `gr.mount_gradio_app`; uvicorn serves it from a thread of its own, so the
+caller's thread stays free (for Ctrl-C, or a window). The chat and the API reach the model
+through the same `Engine`, whose one compute thread runs one reply at a time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import gradio as gr
+import uvicorn
+from fastapi import FastAPI
+
+from app import api
+from app.engine import Engine
+from app.ui import build, css
+from core.errors import UserError
+
+SHUTDOWN_SECONDS = 3  # open connections (a tab's heartbeat, a stream) get this long to finish on close
+
+
+@dataclass
+class Server:
+    url: str  # where the chat is; the API is under url + "/v1"
+    _uvicorn: uvicorn.Server
+    _thread: threading.Thread
+    _engine: Engine
+
+    def wait(self) -> None:
+        """Block until the server stops; Ctrl-C raises KeyboardInterrupt here, in the caller's thread."""
+        while self._thread.is_alive():
+            self._thread.join(0.5)
+
+    def close(self) -> None:
+        """Stop serving (no new connections, open ones closed after SHUTDOWN_SECONDS at most) and
+        end the engine's work, replies in progress included, so the process exits cleanly."""
+        self._uvicorn.should_exit = True
+        self._engine.close()
+        self._thread.join(SHUTDOWN_SECONDS + 5)
+
+
+def start(engine: Engine, host: str = "127.0.0.1", port: int = 7860) -> Server:
+    """Serve the chat and the API for `engine` on host:port, returning once it accepts connections."""
+    demo = build(engine)
+    demo.queue(default_concurrency_limit=1)
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)  # the API follows OpenAI's schema, no own docs
+    app.include_router(api.router(engine))
+    gr.mount_gradio_app(app, demo, path="/", server_name=host, server_port=port, css=css(), show_error=False)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=SHUTDOWN_SECONDS)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="medusa-chat-server", daemon=True)
+    thread.start()
+    while not server.started:  # uvicorn logs why it could not start and ends its thread
+        if not thread.is_alive():
+            raise UserError(f"Could not listen on {host}:{port} (the port may be taken); pass another --port.")
+        time.sleep(0.02)
+    return Server(f"http://{host}:{port}", server, thread, engine)
