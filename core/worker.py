@@ -18,17 +18,23 @@ from typing import TypeVar
 
 T = TypeVar("T")
 _END = object()
+_CLOSE = object()  # the job that ends the thread
 
 
 class ComputeThread:
     def __init__(self, name: str = "medusa-compute") -> None:
         self._jobs: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
+        self._closing = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
         while True:
             fn, future = self._jobs.get()
+            if fn is _CLOSE:
+                return
+            if self._closing.is_set():
+                future.cancel()
             if not future.set_running_or_notify_cancel():
                 continue
             try:
@@ -36,9 +42,19 @@ class ComputeThread:
             except BaseException as e:  # handed to whoever waits on the future
                 future.set_exception(e)
 
+    def close(self, timeout: float = 10.0) -> None:
+        """End the thread: a stream running now stops at its next item, jobs still queued are
+        cancelled (their futures raise CancelledError). Waits up to `timeout` seconds for a job
+        that cannot be interrupted (loading a model)."""
+        self._closing.set()
+        self._jobs.put((_CLOSE, Future()))  # type: ignore[arg-type]
+        self._thread.join(timeout)
+
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Run `fn` after the jobs already queued; its result (or exception) comes through the future."""
         future: Future[T] = Future()
+        if self._closing.is_set():
+            future.cancel()
         self._jobs.put((fn, future))
         return future
 
@@ -57,7 +73,7 @@ class ComputeThread:
         def job() -> None:
             try:
                 for item in make():
-                    if abandoned.is_set():
+                    if abandoned.is_set() or self._closing.is_set():
                         break
                     items.put((True, item))
             except BaseException as e:
