@@ -147,8 +147,12 @@ class Engine:
         drafter = None if drafter_kind is None else self.drafter(tree_name, drafter_kind or None)[1]
         # a fresh seed per reply from the OS, without touching torch's global generator
         generator = torch.Generator(b.model.device).manual_seed(secrets.randbits(63))
+
+        def stopping() -> bool:  # closing the app ends a reply as Stop does, so what was written is kept
+            return should_stop() or self.compute.closing
+
         return self.compute.stream(
-            lambda: stream(b.model, prompt_ids, settings, drafter, b.tokenizer, b.eos_ids, generator, should_stop)
+            lambda: stream(b.model, prompt_ids, settings, drafter, b.tokenizer, b.eos_ids, generator, stopping)
         )
 
     def token_text(self, token_id: int) -> str:

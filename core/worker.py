@@ -42,13 +42,21 @@ class ComputeThread:
             except BaseException as e:  # handed to whoever waits on the future
                 future.set_exception(e)
 
-    def close(self, timeout: float = 10.0) -> None:
-        """End the thread: a stream running now stops at its next item, jobs still queued are
-        cancelled (their futures raise CancelledError). Waits up to `timeout` seconds for a job
-        that cannot be interrupted (loading a model)."""
-        self._closing.set()
-        self._jobs.put((_CLOSE, Future()))  # type: ignore[arg-type]
+    @property
+    def closing(self) -> bool:
+        """True once `close` was called: long work (a reply) should end at its next step."""
+        return self._closing.is_set()
+
+    def close(self, timeout: float | None = None) -> bool:
+        """End the thread after the job running now, which is waited for (up to `timeout`
+        seconds): a process that exits while torch works on another thread aborts. Jobs still
+        queued are cancelled (their futures raise CancelledError), and so is any submitted later.
+        True once the thread has ended."""
+        if not self._closing.is_set():
+            self._closing.set()
+            self._jobs.put((_CLOSE, Future()))  # type: ignore[arg-type]
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Run `fn` after the jobs already queued; its result (or exception) comes through the future."""
@@ -73,7 +81,7 @@ class ComputeThread:
         def job() -> None:
             try:
                 for item in make():
-                    if abandoned.is_set() or self._closing.is_set():
+                    if abandoned.is_set():
                         break
                     items.put((True, item))
             except BaseException as e:

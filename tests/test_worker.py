@@ -1,9 +1,8 @@
-"""The compute thread's shutdown: what runs stops at its next item, what waits is cancelled."""
+"""The compute thread's shutdown: the job running ends, the jobs waiting are cancelled."""
 
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import CancelledError
 
 import pytest
@@ -11,27 +10,39 @@ import pytest
 from core.worker import ComputeThread
 
 
-def test_close_stops_a_stream_cancels_queued_jobs_and_ends_the_thread():
+def test_close_lets_a_cooperative_stream_end_cancels_queued_jobs_and_ends_the_thread():
     worker = ComputeThread()
-    started, produced = threading.Event(), []
+    started = threading.Event()
 
-    def endless():
+    def reply():  # stops at its next step once the thread is closing, like core.generate.stream
         started.set()
-        while True:
-            produced.append(len(produced))
-            yield produced[-1]
+        n = 0
+        while not worker.closing:
+            n += 1
+            yield n
+        yield "cancelled"
 
-    items = worker.stream(endless)
-    assert next(items) == 0 and started.is_set()
+    items = worker.stream(reply)
+    assert next(items) == 1 and started.is_set()
     queued = worker.submit(lambda: "never")
-    worker.close(timeout=5)
-    assert not worker._thread.is_alive()
+    assert worker.close(timeout=5) and worker.closing
+    assert list(items)[-1] == "cancelled"  # the stream's own ending is handed over, then it ends
     with pytest.raises(CancelledError):
         queued.result(timeout=1)
     with pytest.raises(CancelledError):
         worker.submit(lambda: "after close").result(timeout=1)
-    rest = list(items)  # what was handed over before the stop, then the end (no hang)
-    assert rest == list(range(1, len(rest) + 1))
-    n = len(produced)
-    time.sleep(0.05)
-    assert len(produced) == n  # the generator is no longer driven
+    assert worker.close(timeout=1)  # again: nothing left to do
+
+
+def test_close_waits_for_the_running_job_up_to_the_timeout():
+    worker, started, release = ComputeThread(), threading.Event(), threading.Event()
+
+    def job() -> bool:
+        started.set()
+        return release.wait()
+
+    running = worker.submit(job)
+    assert started.wait(5)
+    assert not worker.close(timeout=0.2)  # still busy: say so instead of abandoning it
+    release.set()
+    assert worker.close(timeout=5) and running.result(timeout=1) is True

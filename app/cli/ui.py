@@ -10,10 +10,17 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
+import time
 import webbrowser
+from typing import TYPE_CHECKING
 
 from app.cli.options import model_options
 from core.errors import UserError
+
+if TYPE_CHECKING:
+    import gradio as gr
+
+    from app.engine import Engine
 
 HELP = "open the chat in its own window or the browser (the default command)"
 
@@ -64,10 +71,32 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        _stop(engine)  # first: a streaming reply holds its connection, and the server waits for it
+        _finish_handlers(demo)
         demo.close(verbose=False)  # verbose would print to stdout
-        engine.compute.close()  # a reply in progress stops at its next step
     print("medusa-chat stopped.", file=sys.stderr)
     return 0
+
+
+def _stop(engine: Engine) -> None:
+    """End the model's thread: a reply in progress stops at its next step, as with Stop (the UI
+    saves what was written); a model still loading is waited for."""
+    if not engine.compute.close(timeout=1):
+        print("Waiting for the model to finish its current job (such as loading)…", file=sys.stderr, flush=True)
+        engine.compute.close()
+
+
+def _finish_handlers(demo: gr.Blocks, timeout: float = 5.0) -> None:
+    """Wait for the event handlers still running, such as the one saving the reply just stopped:
+    closing the server would drop them midway. Gradio has no public way to ask, hence `_queue`."""
+    queue = getattr(demo, "_queue", None)
+    deadline = time.monotonic() + timeout
+    while (
+        queue is not None
+        and any(job is not None for job in getattr(queue, "active_jobs", ()))
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
 
 
 def _present(url: str, args: argparse.Namespace) -> None:
