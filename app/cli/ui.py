@@ -8,6 +8,7 @@ the window is closed or on Ctrl-C, after which the server and the model's thread
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import threading
 import time
@@ -120,4 +121,10 @@ def _present(url: str, args: argparse.Namespace) -> None:
 
 
 def _wait_for_interrupt() -> None:
+    """Block until Ctrl-C or SIGTERM, which end the app the same clean way."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
     threading.Event().wait()  # Ctrl-C raises KeyboardInterrupt here
