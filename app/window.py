@@ -16,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 
 APP_ID = "medusa-chat"  # the window's title and WM_CLASS, the launcher's and the icon's file name
-EXTRA_MODULES = ("webview", "qtpy", "PyQt6.QtWebEngineWidgets")  # what `pip install -e '.[desktop]'` brings
+EXTRA = {"webview": "pywebview", "qtpy": "qtpy", "PyQt6.QtWebEngineWidgets": "PyQt6-WebEngine"}  # the [desktop] extra
 SIZE = (1280, 860)  # the window's first size in pixels: the sidebar, the chat and the stats side by side
 
 
@@ -35,8 +35,8 @@ def window_problem(no_window: bool) -> str | None:
         if not os.environ.get("WAYLAND_DISPLAY") and not ctypes.util.find_library("xcb-cursor"):
             # without it Qt's X11 plugin aborts the whole process instead of raising
             return "Qt's X11 plugin needs libxcb-cursor0, which is not installed"
-    if missing := [m for m in EXTRA_MODULES if not _importable(m)]:
-        return f"{missing[0].split('.')[0]} is missing (install the window with `pip install 'medusa-chat[desktop]'`)"
+    if missing := [package for module, package in EXTRA.items() if not _importable(module)]:
+        return f"{missing[0]} is not installed (the window comes with `pip install 'medusa-chat[desktop]'`)"
     return None
 
 

@@ -44,8 +44,10 @@ def user_dirs(home: Path) -> dict[str, str]:
 def test_window_problem_names_the_reason(monkeypatch):
     monkeypatch.setenv("DISPLAY", ":0")
     assert window.window_problem(no_window=True) == "--no-window was given"
-    monkeypatch.setattr(window, "EXTRA_MODULES", ("webview", "no_such_module_here"))
-    assert "pip install 'medusa-chat[desktop]'" in window.window_problem(no_window=False)
+    monkeypatch.setattr(window, "EXTRA", {"webview": "pywebview", "no_such.module": "no-such-package"})
+    assert window.window_problem(no_window=False) == (
+        "no-such-package is not installed (the window comes with `pip install 'medusa-chat[desktop]'`)"
+    )
 
 
 @LINUX

@@ -90,13 +90,9 @@ def _stop(engine: Engine) -> None:
 def _finish_handlers(demo: gr.Blocks, timeout: float = 5.0) -> None:
     """Wait for the event handlers still running, such as the one saving the reply just stopped:
     closing the server would drop them midway. Gradio has no public way to ask, hence `_queue`."""
-    queue = getattr(demo, "_queue", None)
+    jobs = getattr(getattr(demo, "_queue", None), "active_jobs", None)  # one slot per worker, None when idle
     deadline = time.monotonic() + timeout
-    while (
-        queue is not None
-        and any(job is not None for job in getattr(queue, "active_jobs", ()))
-        and time.monotonic() < deadline
-    ):
+    while jobs and any(job is not None for job in jobs) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
