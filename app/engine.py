@@ -222,12 +222,12 @@ class Engine:
             lambda: stream(b.model, prompt_ids, settings, drafter, b.tokenizer, b.eos_ids, generator, stopped)
         )
 
-    def close(self, timeout: float = 30) -> None:
-        """End the work in progress (a reply at its next step; loading runs to its end, at most
-        `timeout` seconds) and drop what is queued, so the process can exit cleanly."""
+    def close(self, timeout: float | None = None) -> bool:
+        """End the work in progress (a reply at its next step; loading runs to its end) and drop
+        what is queued, so the process can exit cleanly; waits up to `timeout` seconds (None: as
+        long as it takes). True once the compute thread has ended."""
         self._closing.set()
-        if not self.compute.close(timeout):
-            log.warning("model work still running after %s s at exit", timeout)
+        return self.compute.close(timeout)
 
     def token_text(self, token_id: int) -> str:
         return self.require().backbone.tokenizer.decode([token_id])

@@ -1,10 +1,10 @@
 """The `medusa-chat` command line: a local chat that decodes several tokens per step.
 
 `medusa-chat` alone opens the chat (the `ui` command and all its options); the other commands
-answer a prompt, benchmark decoding modes, list and fetch models, and train and calibrate
-drafters. Every mistake a user can make ends here as one sentence on stderr and exit status 2;
-an unexpected failure prints one sentence and leaves the traceback in the log file. stdout
-carries only what a command was asked for: the reply, its JSON, a table.
+answer a prompt, benchmark decoding modes, list and fetch models, train and calibrate drafters,
+and add the app to the desktop's menu. Every mistake a user can make ends here as one sentence
+on stderr and exit status 2; an unexpected failure prints one sentence and leaves the traceback
+in the log file. stdout carries only what a command was asked for: the reply, its JSON, a table.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import NoReturn
 
 import platformdirs
 
-from app.cli import bench, calibrate, catalog, generate, profile, train_heads, ui
+from app.cli import bench, calibrate, catalog, generate, install_desktop, profile, train_heads, ui
 from core.errors import UserError
 
 log = logging.getLogger("medusa-chat")
@@ -26,7 +26,7 @@ log = logging.getLogger("medusa-chat")
 DEFAULT_COMMAND = "ui"
 MODULES = {
     "ui": ui, "generate": generate, "bench": bench, "profile": profile, "train-heads": train_heads,
-    "calibrate": calibrate,
+    "calibrate": calibrate, "install-desktop": install_desktop,
 }  # fmt: skip
 COMMANDS = (*MODULES, "models", "download")
 

@@ -8,6 +8,7 @@ through the same `Engine`, whose one compute thread runs one reply at a time.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ class Server:
     _uvicorn: uvicorn.Server
     _thread: threading.Thread
     _engine: Engine
+    _demo: gr.Blocks
 
     def wait(self) -> None:
         """Block until the server stops; Ctrl-C raises KeyboardInterrupt here, in the caller's thread."""
@@ -37,11 +39,25 @@ class Server:
             self._thread.join(0.5)
 
     def close(self) -> None:
-        """Stop serving (no new connections, open ones closed after SHUTDOWN_SECONDS at most) and
-        end the engine's work, replies in progress included, so the process exits cleanly."""
+        """End the engine's work first (a reply in progress stops at its next step, as with Stop,
+        and the chat saves what was written; a model still loading is waited for), let the
+        handlers saving it finish, then stop serving (open connections closed after
+        SHUTDOWN_SECONDS at most), so the process exits cleanly."""
+        if not self._engine.close(timeout=1):
+            print("Waiting for the model to finish its current job (such as loading)…", file=sys.stderr, flush=True)
+            self._engine.close()
+        _finish_handlers(self._demo)
         self._uvicorn.should_exit = True
-        self._engine.close()
         self._thread.join(SHUTDOWN_SECONDS + 5)
+
+
+def _finish_handlers(demo: gr.Blocks, timeout: float = 5.0) -> None:
+    """Wait for the chat's event handlers still running, such as the one saving the reply just
+    stopped: closing the server would drop them midway. Gradio has no public way to ask, hence `_queue`."""
+    jobs = getattr(getattr(demo, "_queue", None), "active_jobs", None)  # one slot per worker, None when idle
+    deadline = time.monotonic() + timeout
+    while jobs and any(job is not None for job in jobs) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def start(engine: Engine, host: str = "127.0.0.1", port: int = 7860) -> Server:
@@ -59,4 +75,4 @@ def start(engine: Engine, host: str = "127.0.0.1", port: int = 7860) -> Server:
         if not thread.is_alive():
             raise UserError(f"Could not listen on {host}:{port} (the port may be taken); pass another --port.")
         time.sleep(0.02)
-    return Server(f"http://{host}:{port}", server, thread, engine)
+    return Server(f"http://{host}:{port}", server, thread, engine, demo)

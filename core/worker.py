@@ -18,30 +18,22 @@ from typing import TypeVar
 
 T = TypeVar("T")
 _END = object()
+_CLOSE = object()  # the job that ends the thread
 
 
 class ComputeThread:
     def __init__(self, name: str = "medusa-compute") -> None:
         self._jobs: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
-        self._closed = threading.Event()
+        self._closing = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
-
-    def close(self, timeout: float) -> bool:
-        """Drop the jobs not started yet and wait up to `timeout` seconds for the one running to
-        end; True if the thread is done. (A process that exits while torch works on a thread of
-        its own aborts with "terminate called without an active exception".)"""
-        self._closed.set()
-        self._jobs.put((_END, Future()))
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
 
     def _serve(self) -> None:
         while True:
             fn, future = self._jobs.get()
-            if fn is _END:
+            if fn is _CLOSE:
                 return
-            if self._closed.is_set():  # queued before close: never started
+            if self._closing.is_set():
                 future.cancel()
             if not future.set_running_or_notify_cancel():
                 continue
@@ -50,10 +42,26 @@ class ComputeThread:
             except BaseException as e:  # handed to whoever waits on the future
                 future.set_exception(e)
 
+    @property
+    def closing(self) -> bool:
+        """True once `close` was called: long work (a reply) should end at its next step."""
+        return self._closing.is_set()
+
+    def close(self, timeout: float | None = None) -> bool:
+        """End the thread after the job running now, which is waited for (up to `timeout`
+        seconds): a process that exits while torch works on another thread aborts. Jobs still
+        queued are cancelled (their futures raise CancelledError), and so is any submitted later.
+        True once the thread has ended."""
+        if not self._closing.is_set():
+            self._closing.set()
+            self._jobs.put((_CLOSE, Future()))  # type: ignore[arg-type]
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Run `fn` after the jobs already queued; its result (or exception) comes through the future."""
         future: Future[T] = Future()
-        if self._closed.is_set():  # never runs: waiting on it raises CancelledError
+        if self._closing.is_set():  # never runs: waiting on it raises CancelledError
             future.cancel()
         else:
             self._jobs.put((fn, future))
