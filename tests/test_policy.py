@@ -100,15 +100,32 @@ def test_the_calibration_learns_that_confident_heads_were_wrong():
     assert p.refine(replace(p.choose(), drafted=True), sure).plain
 
 
+def test_heads_that_looked_good_but_ran_slower_than_plain_stop_until_they_pay_again():
+    p = policy(MODERATE)  # good heads on paper: their steps are expected to beat plain ones
+    right = torch.full((4, RANKS), 7)
+    ran = []
+    for _ in range(60):  # and head 0 keeps guessing right, but each step that runs them returns one
+        c = p.choose()  # token and costs more than a plain one
+        p.observe(c, right if c.drafted else None, [7], [], 0.012 if c.drafted else 0.010)
+        ran.append(c.drafted)
+    assert all(ran[:8]) and sum(ran[-30:]) <= 3  # stopped after a few, but for rare exploring steps
+    for _ in range(20 * EXPLORE_EVERY):  # the text turns easy: the explored steps return 4 tokens
+        c = p.choose()
+        p.observe(c, right if c.drafted else None, [7, 7, 7, 7], [], 0.012 if c.drafted else 0.010)
+        if c.drafted and not c.reason.startswith("explore"):
+            break
+    assert p.choose().drafted and not p.choose().reason.startswith("explore")
+
+
 def test_lookup_is_taken_when_it_matches_and_dropped_when_it_does_not():
     p = policy(MODERATE, accuracy=prior_accuracy(4, [0.0] * 4, [0.0] * 4))
     for _ in range(10):
         c = p.choose(lookup_nodes=4)
-        p.observe(c, None, [1, 2, 3, 4, 5], [[1, 2, 3, 4]], 0.01)
+        p.observe(c, None, [1, 2, 3, 4, 5], [[1, 2, 3, 4]], c.expected_ms / 1000)  # steps cost what the curve says
     assert p.choose(lookup_nodes=4).lookup
     for _ in range(30):
         c = p.choose(lookup_nodes=4)
-        p.observe(c, None, [9, 9], [[1, 2, 3, 4]], 0.01)
+        p.observe(c, None, [9], [[1, 2, 3, 4]], c.expected_ms / 1000)  # the lookup's first token is wrong
     assert not p.choose(lookup_nodes=4).lookup
 
 

@@ -47,6 +47,8 @@ EXPLORE_SHARE = 0.02  # and not more often than costs this share of the time (on
 HEADS_RATE = 0.05  # weight of one step in the heads' running accuracy
 CONTEXT_RATE = 0.2  # weight of one lookup in the context's running match length
 COST_RATE = 0.1  # weight of one step in the running cost scales
+REALIZED_RATE = 0.1  # weight of one step in the running tokens and ms of its kind
+REALIZED_MIN = 8  # steps of a kind before how they really ran overrules the estimate
 MARGIN = 1.03  # a tree must be expected this much faster than plain decoding to be chosen
 RANKS = 10  # candidates per head the policy reads
 TABULATED = 2 * MAX_BUDGET + 1  # node counts whose step time is kept in a table (more: interpolated)
@@ -89,6 +91,21 @@ class Choice:
         return self.nodes == 1
 
 
+@dataclass
+class Realized:
+    """Running means of the tokens and ms of one kind of step, as the steps really ran."""
+
+    tokens: float = 0.0
+    ms: float = 0.0
+    steps: int = 0
+
+    def add(self, tokens: float, ms: float) -> None:
+        rate = 1.0 if not self.steps else REALIZED_RATE  # the first step sets both
+        self.tokens += rate * (tokens - self.tokens)
+        self.ms += rate * (ms - self.ms)
+        self.steps += 1
+
+
 def prior_accuracy(heads: int, top1: Sequence[float] = (), top10: Sequence[float] = ()) -> Tensor:
     """(heads, RANKS) starting guess of each head's rank accuracies: the calibration's top-1 and
     top-10 where known (the rest spread over ranks 2…10, halving each rank), a modest guess elsewhere."""
@@ -124,6 +141,7 @@ class Policy:
         self._floor = 0.01
         self._seen = {False: False, True: False}  # whether a plain / tree step was timed against this curve
         self.since_heads = 0  # steps since the heads last drafted
+        self.realized = {"heads": Realized(), "context": Realized()}  # how such steps really ran lately
         self._order: tuple[list[tuple[int, ...]], list[float]] | None = None
         # (heads, BINS) how often a candidate whose probability fell in the bin was right; starts at the bin's middle
         self.calibration = ((torch.arange(BINS) + 0.5) / BINS).repeat(max(self.accuracy.shape[0], 1), 1)
@@ -145,15 +163,24 @@ class Policy:
         plain = Choice(0, False, 1, 1.0, plain_ms, "plain: no tree is expected to pay for its cost")
         _, gain = self.order() if self.use_heads else ((), [])
         heads = self._fastest(gain, lookup_nodes, curve.heads_ms, heads_only=True) if gain else None
-        if heads and heads.expected_tokens / heads.expected_ms >= RUN_HEADS / plain_ms:
+        if heads and self._pays("heads", heads, RUN_HEADS / plain_ms, plain_ms):
             return heads  # the heads run; their own probabilities then pick the step's tree (refine)
         context = self._fastest([], lookup_nodes, 0.0) if self.use_lookup and lookup_nodes else None
-        if context and context.expected_tokens / context.expected_ms >= MARGIN / plain_ms:
+        if context and self._pays("context", context, MARGIN / plain_ms, plain_ms):
             return context
         every = max(EXPLORE_EVERY, self.heads_ms() / (EXPLORE_SHARE * plain_ms))
         if heads and self.since_heads >= every:  # re-measure the heads once in a while
             return replace(heads, reason=f"explore: {heads.reason}, to re-measure the heads")
         return plain
+
+    def _pays(self, kind: str, option: Choice, expected: float, plain_ms: float) -> bool:
+        """Whether steps of `kind` ("heads": the heads run; "context": lookup only) beat plain ones:
+        as they really ran lately once there are enough of them, else as `option` is estimated
+        against the rate `expected` (tokens per ms)."""
+        real = self.realized[kind]
+        if real.steps >= REALIZED_MIN:
+            return real.tokens / real.ms >= 1 / plain_ms
+        return option.expected_tokens / option.expected_ms >= expected
 
     def heads_ms(self) -> float:
         return self._current().heads_ms * self.scales[True]
@@ -233,6 +260,8 @@ class Policy:
         if found:
             best = max(_common_prefix(c, truth) for c in found)
             self.context_match += CONTEXT_RATE * (best - self.context_match)
+        if choice.drafted or not choice.plain:
+            self.realized["heads" if choice.drafted else "context"].add(len(truth), 1000 * seconds)
         tree = not choice.plain or choice.drafted
         expected = choice.expected_ms / self.scales[tree]
         if expected > 0 and seconds > 0:
