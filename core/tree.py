@@ -199,6 +199,7 @@ class Preset:
     lookup_length: int = 4  # tokens per continuation
     top1: tuple[float, ...] = ()  # calibrated trees: how often each head's first choice was right
     top10: tuple[float, ...] = ()  # and how often one of its ten first choices was
+    reliability: tuple[tuple[float, ...], ...] = ()  # per head, how often candidates of each probability bin were
 
 
 def load_preset(name_or_file: str) -> Preset:
@@ -231,7 +232,19 @@ def load_preset(name_or_file: str) -> Preset:
     top1, top10 = calibration.get("top1") or (), calibration.get("top10") or ()
     if not all(isinstance(a, (int, float)) and 0 <= a <= 1 for a in (*top1, *top10)):
         top1 = top10 = ()  # figures that make no sense are not a prior
-    return Preset(file.stem, build_tree(data.get("paths")), drafter, branches, length, tuple(top1), tuple(top10))
+    reliability = calibration.get("reliability") or ()
+    if not (isinstance(reliability, list) and all(_fractions(h) for h in reliability)):
+        reliability = ()
+    return Preset(
+        file.stem, build_tree(data.get("paths")), drafter, branches, length, tuple(top1), tuple(top10),
+        tuple(tuple(h) for h in reliability),
+    )  # fmt: skip
+
+
+def _fractions(values: object) -> bool:
+    return (
+        isinstance(values, list) and bool(values) and all(isinstance(a, (int, float)) and 0 <= a <= 1 for a in values)
+    )
 
 
 def load_tree(name_or_file: str) -> tuple[str, TreeBuffers]:

@@ -45,7 +45,7 @@ def test_replay_predicts_the_steps_of_real_greedy_decoding():
     reply = plain_tokens(model, PROMPT, n)
     heads = random_heads(model)
     ids = PROMPT + reply
-    r = cal.reply_positions(ids, len(PROMPT), cal.head_candidates(model, heads, ids, len(PROMPT), 10))
+    r = cal.reply_positions(ids, len(PROMPT), *cal.head_candidates(model, heads, ids, len(PROMPT), 10))
     paths = [list(p) for p in load_tree("cpu-16")[1].paths]
     for branches, length in [(0, 0), (2, 4)]:
         look = cal.lookup_accepts(r, branches, length) if branches else ([0] * n, [0] * n)
@@ -64,3 +64,16 @@ def test_interpolated_latency():
     ms = {1: 10.0, 5: 14.0, 9: 22.0}
     assert cal.interpolate(ms, 1) == 10 and cal.interpolate(ms, 3) == 12 and cal.interpolate(ms, 7) == 18
     assert cal.interpolate(ms, 11) == 26  # extrapolates the last slope
+
+
+def test_reliability_is_the_hit_rate_of_each_probability_bin():
+    # one head, two ranks: candidates at p 0.95 right 3 times in 4, candidates at p 0.05 never
+    probs = torch.tensor([[[0.95, 0.05]]] * 4)
+    match = torch.tensor([[[True, False]], [[True, False]], [[True, False]], [[False, False]]])
+    reply = cal.Reply([1, 2, 3], 1, match, probs)
+    rel = cal.reliability([reply], prior=0.0)
+    assert rel.shape == (1, cal.BINS)
+    assert rel[0, 9].item() == 0.75 and rel[0, 0].item() == 0.0
+    steadied = cal.reliability([reply], prior=4.0)  # 4 pseudo-candidates at the middle of the bin
+    assert abs(steadied[0, 9].item() - (3 + 4 * 0.95) / 8) < 1e-6
+    assert abs(steadied[0, 5].item() - 0.55) < 1e-6  # an empty bin keeps its middle

@@ -11,8 +11,18 @@ import torch
 
 from core.generate import collect, stream
 from core.settings import DecodeSettings
+from core.tree import load_preset
 from core.tune import costs
-from core.tune.policy import EXPLORE_EVERY, RANKS, AutoDrafter, CostCurve, Policy, prior_accuracy
+from core.tune.policy import (
+    EXPLORE_EVERY,
+    RANKS,
+    AutoDrafter,
+    CostCurve,
+    Policy,
+    auto_drafter,
+    prior_accuracy,
+    prior_reliability,
+)
 from core.worker import ComputeThread
 from tests.helpers import FAST_KERNELS, exact_three_tokens, plain_tokens, tiny_model
 from tests.stats import chi_square_p_value
@@ -257,3 +267,17 @@ def test_closing_the_compute_thread_ends_the_job_running_and_drops_the_rest():
     with pytest.raises(CancelledError):
         worker.call(lambda: "never")
     assert list(worker.stream(lambda: iter(range(3)))) == []
+
+
+def test_the_calibrated_reliability_seeds_the_policy_and_nonsense_is_ignored(tmp_path):
+    heads = random_heads(tiny_model("llama"))
+    reliability = [[round(0.1 * (i % 3), 1) for i in range(10)] for _ in range(heads.num_heads)]
+    data = {"paths": [[0]], "calibration": {"top1": [0.3] * heads.num_heads, "reliability": reliability}}
+    file = tmp_path / "preset.json"
+    file.write_text(json.dumps(data))
+    drafter = auto_drafter("medusa", heads, lambda: MODERATE, load_preset(str(file)), trained=True)
+    assert torch.allclose(drafter.policy.calibration, torch.tensor(reliability))
+    data["calibration"]["reliability"] = [[2.0] * 10] * heads.num_heads  # not a probability
+    file.write_text(json.dumps(data))
+    drafter = auto_drafter("medusa", heads, lambda: MODERATE, load_preset(str(file)), trained=True)
+    assert torch.equal(drafter.policy.calibration, prior_reliability(heads.num_heads))

@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
             "replies": len(replies), "positions": sum(r.match.shape[0] for r in replies),
             "top1": [round(a, 4) for a in accuracy[:, 0].tolist()],
             "top10": [round(a, 4) for a in accuracy.sum(dim=1).tolist()],
+            "reliability": [[round(a, 4) for a in head] for head in result.reliability.tolist()],
             "verify_ms": {n: round(v, 2) for n, v in verify_ms.items()},
             "heads_ms": round(heads_ms, 2), "lookup_ms": round(lookup_ms, 2), "plain_step_ms": round(plain_ms, 2),
             "expected_tokens_per_step": round(best.tokens_per_step, 3), "expected_nodes": round(best.mean_nodes, 2),

@@ -30,6 +30,7 @@ from core.step import Draft, accept, commit, prefill, verify
 from core.tune.profile import time_ms
 
 LOOKUP_SETTINGS = ((1, 4), (2, 4), (3, 4), (1, 6), (2, 6), (3, 6), (4, 8))  # (branches, length) tried
+BINS = 10  # a head's probabilities in bins 0.1 wide, for how often candidates of each were right
 
 # -- 1) positions -----------------------------------------------------------------------------
 
@@ -39,9 +40,10 @@ class Reply:
     ids: list[int]  # prompt + greedy reply
     start: int  # index of the reply's first token (the first step's root)
     match: Tensor  # (n, K, R) bool: at reply position j (root = ids[start + j]), head k's rank r is right
+    probs: Tensor | None = None  # (n, K, R) the heads' probabilities of those candidates
 
 
-def reply_positions(ids: list[int], start: int, candidates: Tensor) -> Reply:
+def reply_positions(ids: list[int], start: int, candidates: Tensor, probs: Tensor | None = None) -> Reply:
     """`candidates` (n, K, R): the heads' top-R at the hidden state before each reply token.
 
     Root j is ids[start + j]; head k proposes ids[start + j + k + 1] (the root is the backbone's own)."""
@@ -50,7 +52,7 @@ def reply_positions(ids: list[int], start: int, candidates: Tensor) -> Reply:
     for k in range(k_heads):
         ahead = torch.tensor(ids[start + k + 1 : start + n + k + 1], dtype=torch.long)
         truth[: len(ahead), k] = ahead
-    return Reply(ids, start, candidates == truth[..., None])
+    return Reply(ids, start, candidates == truth[..., None], probs)
 
 
 # -- 2) greedy trees --------------------------------------------------------------------------
@@ -60,6 +62,19 @@ def rank_accuracies(replies: Sequence[Reply]) -> Tensor:
     """(K, R): how often head k's rank-r candidate is the right token."""
     match = torch.cat([r.match for r in replies]).float()
     return match.mean(dim=0)
+
+
+def reliability(replies: Sequence[Reply], prior: float = 5.0) -> Tensor:
+    """(K, BINS): how often head k's candidates whose probability fell in each bin were right
+    (every rank counted; `prior` pseudo-candidates at the bin's middle steady the sparse bins)."""
+    probs = torch.cat([r.probs for r in replies]).float()
+    match = torch.cat([r.match for r in replies]).float()
+    k_heads = probs.shape[1]
+    bins = (probs * BINS).long().clamp(0, BINS - 1) + BINS * torch.arange(k_heads)[None, :, None]
+    count = torch.zeros(k_heads * BINS).index_add_(0, bins.flatten(), torch.ones(bins.numel()))
+    hits = torch.zeros(k_heads * BINS).index_add_(0, bins.flatten(), match.flatten())
+    middle = ((torch.arange(BINS) + 0.5) / BINS).repeat(k_heads)
+    return ((hits + prior * middle) / (count + prior)).view(k_heads, BINS)
 
 
 def greedy_tree(accuracy: Tensor, budget: int) -> list[list[int]]:
@@ -222,12 +237,14 @@ def search(
 # -- measuring (needs the model) --------------------------------------------------------------
 
 
-def head_candidates(model, heads, ids: list[int], start: int, top: int) -> Tensor:
-    """(n, K, top) the heads' candidates before each reply token ids[start:], from one forward."""
+def head_candidates(model, heads, ids: list[int], start: int, top: int) -> tuple[Tensor, Tensor]:
+    """(n, K, top) the heads' candidates before each reply token ids[start:] and their
+    probabilities, from one forward."""
     with torch.inference_mode():
         out = model.base_model(input_ids=torch.tensor([ids], device=model.device))
         hidden = out.last_hidden_state[0, start - 1 : len(ids) - 1]  # the state that chose each root
-        return heads.candidates(hidden, heads.num_heads, top).cpu()
+        candidates, probs = heads.top(hidden, heads.num_heads, top)
+        return candidates.cpu(), probs.float().cpu()
 
 
 def verify_latency(model, context: list[int], trees: dict[int, object], settings) -> dict[int, float]:
@@ -259,6 +276,7 @@ class Calibration:
     ranked: list[Candidate]  # every option replayed and priced, fastest first
     replies: list[Reply]
     accuracy: Tensor  # (K, R) rank accuracies of the heads
+    reliability: Tensor  # (K, BINS) how often candidates of each probability were right
     verify_ms: dict[int, float]  # step latency by node count
     heads_ms: float  # drafting with the heads
     lookup_ms: float  # drafting from the context
@@ -286,7 +304,7 @@ def calibrate(
         for ids, answer in zip(batch, answers, strict=True):
             if len(answer) > 1:
                 full = ids + answer
-                replies.append(reply_positions(full, len(ids), head_candidates(model, heads, full, len(ids), 10)))
+                replies.append(reply_positions(full, len(ids), *head_candidates(model, heads, full, len(ids), 10)))
         progress(len(batch))
     accuracy = rank_accuracies(replies)
 
@@ -312,4 +330,4 @@ def calibrate(
 
     # 3) replay every option and price it
     ranked = search(replies, budgets, lookups, step_ms)
-    return Calibration(ranked, replies, accuracy, verify_ms, heads_ms, lookup_ms, plain_ms)
+    return Calibration(ranked, replies, accuracy, reliability(replies), verify_ms, heads_ms, lookup_ms, plain_ms)

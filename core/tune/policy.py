@@ -39,7 +39,7 @@ from torch import Tensor
 from core.lookup import NgramIndex, node_count
 from core.step import Draft
 from core.tree import CONTEXT, HEAD_DRAFTERS, LOOKUP_DRAFTERS, Preset, TreeBuffers, build_tree, graft
-from core.tune.calibrate import greedy_order, interpolate
+from core.tune.calibrate import BINS, greedy_order, interpolate
 
 MAX_BUDGET = 32  # head nodes the policy may draft (the root not counted)
 EXPLORE_EVERY = 16  # after at least this many steps without heads, draft with them once
@@ -53,7 +53,6 @@ MARGIN = 1.03  # a tree must be expected this much faster than plain decoding to
 RANKS = 10  # candidates per head the policy reads
 TABULATED = 2 * MAX_BUDGET + 1  # node counts whose step time is kept in a table (more: interpolated)
 TREES = 256  # tree buffers an AutoDrafter keeps built (each step's tree may differ)
-BINS = 10  # the calibration's probability bins, each 0.1 wide
 CALIBRATION_RATE = 0.02  # weight of one checked candidate in its bin's running hit rate
 RUN_HEADS = 0.95  # run the heads while their best tree is expected at least this share of plain's speed
 
@@ -106,6 +105,18 @@ class Realized:
         self.steps += 1
 
 
+def prior_reliability(heads: int, known: Sequence[Sequence[float]] = ()) -> Tensor:
+    """(heads, BINS) starting guess of how often a candidate of each probability is right: the
+    calibration's where known (`calibrate` measures it), else the probability itself for the
+    first head and half of it for later ones (heads guessing further ahead are overconfident)."""
+    middle = (torch.arange(BINS) + 0.5) / BINS
+    guess = torch.stack([middle * (1.0 if k == 0 else 0.5) for k in range(heads)])
+    for k, row in enumerate(known[:heads]):
+        if len(row) == BINS:
+            guess[k] = torch.tensor(row, dtype=guess.dtype)
+    return guess
+
+
 def prior_accuracy(heads: int, top1: Sequence[float] = (), top10: Sequence[float] = ()) -> Tensor:
     """(heads, RANKS) starting guess of each head's rank accuracies: the calibration's top-1 and
     top-10 where known (the rest spread over ranks 2…10, halving each rank), a modest guess elsewhere."""
@@ -129,6 +140,7 @@ class Policy:
         accuracy: Tensor | None,
         use_heads: bool = True,
         use_lookup: bool = True,
+        reliability: Sequence[Sequence[float]] = (),
     ) -> None:
         self.curve = curve
         self.accuracy = accuracy.clone() if accuracy is not None else torch.zeros(0, RANKS)
@@ -143,8 +155,8 @@ class Policy:
         self.since_heads = 0  # steps since the heads last drafted
         self.realized = {"heads": Realized(), "context": Realized()}  # how such steps really ran lately
         self._order: tuple[list[tuple[int, ...]], list[float]] | None = None
-        # (heads, BINS) how often a candidate whose probability fell in the bin was right; starts at the bin's middle
-        self.calibration = ((torch.arange(BINS) + 0.5) / BINS).repeat(max(self.accuracy.shape[0], 1), 1)
+        # (heads, BINS) how often a candidate whose probability fell in the bin was right
+        self.calibration = prior_reliability(max(self.accuracy.shape[0], 1), reliability)
 
     # -- choosing --------------------------------------------------------------------------------
 
@@ -362,5 +374,6 @@ def auto_drafter(
     if use_heads:
         prior = prior_accuracy(heads.num_heads, preset.top1, preset.top10) if trained else None
         prior = prior if prior is not None else prior_accuracy(heads.num_heads, [0.02] * heads.num_heads)
-    policy = Policy(curve, prior, use_heads, use_lookup=kind in LOOKUP_DRAFTERS)
+    reliability = preset.reliability if use_heads and trained else ()
+    policy = Policy(curve, prior, use_heads, use_lookup=kind in LOOKUP_DRAFTERS, reliability=reliability)
     return AutoDrafter(heads, policy, preset.lookup_branches, preset.lookup_length)
