@@ -86,8 +86,11 @@ def probabilities(top: list[float]) -> torch.Tensor:
     return probs
 
 
+HONEST = [[(b + 0.5) / 10 for b in range(10)]] * 4  # heads whose probabilities are right as often as they say
+
+
 def test_confident_heads_draft_deep_and_unsure_heads_not_at_all():
-    p = policy(MODERATE)
+    p = policy(MODERATE, reliability=HONEST)
     choice = p.choose()
     assert choice.drafted  # good heads on a moderate curve: worth running
     sure = p.refine(choice, probabilities([0.97, 0.95, 0.95, 0.95]))
@@ -98,7 +101,7 @@ def test_confident_heads_draft_deep_and_unsure_heads_not_at_all():
 
 
 def test_the_calibration_learns_that_confident_heads_were_wrong():
-    p = policy(MODERATE)
+    p = policy(MODERATE, reliability=HONEST)
     sure, wrong = probabilities([0.97, 0.95, 0.95, 0.95]), torch.full((4, RANKS), 5)
     assert p.refine(p.choose(), sure).budget >= 4
     for _ in range(200):
