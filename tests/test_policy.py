@@ -56,7 +56,7 @@ def test_a_run_of_rejections_shrinks_the_tree_down_to_plain():
     wrong = torch.full((4, RANKS), 5)  # the heads' candidates: never the emitted token
     for _ in range(80):
         choice = p.choose()
-        p.observe(choice, wrong if choice.budget else None, [7, 7, 7], [], 0.010 * choice.expected_tokens)
+        p.observe(choice, wrong if choice.budget else None, [7], [], choice.expected_ms / 1000)  # one token a step
         budgets.append(choice.budget)
     assert budgets[0] >= 4
     assert budgets[-20:].count(0) >= 18  # plain, but for the odd exploring step
@@ -284,3 +284,18 @@ def test_the_calibrated_reliability_seeds_the_policy_and_nonsense_is_ignored(tmp
     file.write_text(json.dumps(data))
     drafter = auto_drafter("medusa", heads, lambda: MODERATE, load_preset(str(file)), trained=True)
     assert torch.equal(drafter.policy.calibration, prior_reliability(heads.num_heads))
+
+
+def test_a_new_reply_forgets_what_the_lookup_matched_but_not_the_heads():
+    drafter = auto_drafter("lookup", None, lambda: MODERATE, load_preset("cpu-8"), trained=False)
+    p = drafter.policy
+    history = [1, 2, 3, 4, 1, 2, 3]
+    root, hidden = torch.tensor(4), torch.zeros(8)
+    draft = drafter.propose(hidden, root, history)
+    drafter.observe(draft, [4, 1, 2, 3, 5], 0.01)  # the lookup's continuation matched four tokens
+    matched = p.context_match
+    assert matched > 1.0
+    drafter.propose(hidden, torch.tensor(5), [*history, 4, 1, 2, 3, 5])  # the same reply goes on
+    assert p.context_match == matched
+    drafter.propose(hidden, root, [9, 8, 7])  # another prompt: a new reply
+    assert p.context_match == 1.0 and p.realized["context"].steps == 0

@@ -49,6 +49,7 @@ CONTEXT_RATE = 0.2  # weight of one lookup in the context's running match length
 COST_RATE = 0.1  # weight of one step in the running cost scales
 REALIZED_RATE = 0.1  # weight of one step in the running tokens and ms of its kind
 REALIZED_MIN = 8  # steps of a kind before how they really ran overrules the estimate
+CONTEXT_PRIOR = 1.0  # tokens a lookup continuation is expected to match before one was checked
 MARGIN = 1.03  # a tree must be expected this much faster than plain decoding to be chosen
 RANKS = 10  # candidates per head the policy reads
 TABULATED = 2 * MAX_BUDGET + 1  # node counts whose step time is kept in a table (more: interpolated)
@@ -146,13 +147,14 @@ class Policy:
         self.accuracy = accuracy.clone() if accuracy is not None else torch.zeros(0, RANKS)
         self.use_heads = use_heads and self.accuracy.shape[0] > 0
         self.use_lookup = use_lookup
-        self.context_match = 1.0  # tokens the lookup's best continuation matches, when it finds one
+        self.context_match = CONTEXT_PRIOR  # tokens the lookup's best continuation matches, when it finds one
         self.scales = {False: 1.0, True: 1.0}  # observed ÷ the curve's step time, for plain and tree steps
         self._curve: CostCurve | None = None
         self._ms: list[float] = []
         self._floor = 0.01
         self._seen = {False: False, True: False}  # whether a plain / tree step was timed against this curve
         self.since_heads = 0  # steps since the heads last drafted
+        self._promising = False  # the last exploring step beat a plain one: explore again at once
         self.realized = {"heads": Realized(), "context": Realized()}  # how such steps really ran lately
         self._order: tuple[list[tuple[int, ...]], list[float]] | None = None
         # (heads, BINS) how often a candidate whose probability fell in the bin was right
@@ -181,9 +183,17 @@ class Policy:
         if context and self._pays("context", context, MARGIN / plain_ms, plain_ms):
             return context
         every = max(EXPLORE_EVERY, self.heads_ms() / (EXPLORE_SHARE * plain_ms))
-        if heads and self.since_heads >= every:  # re-measure the heads once in a while
+        if heads and (self.since_heads >= every or self._promising):  # re-measure the heads once in a while
             return replace(heads, reason=f"explore: {heads.reason}, to re-measure the heads")
         return plain
+
+    def new_reply(self) -> None:
+        """A new reply: what the lookup matched and how steps ran belong to the text just left
+        (a poem's repeated lines say nothing of an email); what was learned of the heads and the
+        machine stays."""
+        self.context_match = CONTEXT_PRIOR
+        self.realized = {"heads": Realized(), "context": Realized()}
+        self.since_heads, self._promising = 0, False
 
     def _pays(self, kind: str, option: Choice, expected: float, plain_ms: float) -> bool:
         """Whether steps of `kind` ("heads": the heads run; "context": lookup only) beat plain ones:
@@ -274,6 +284,9 @@ class Policy:
             self.context_match += CONTEXT_RATE * (best - self.context_match)
         if choice.drafted or not choice.plain:
             self.realized["heads" if choice.drafted else "context"].add(len(truth), 1000 * seconds)
+        plain_ms = self._curve.at(1) * self.scales[False] if self._curve else 0.0
+        exploring = choice.reason.startswith("explore")
+        self._promising = exploring and len(truth) / (1000 * seconds) > 1 / plain_ms if plain_ms else False
         tree = not choice.plain or choice.drafted
         expected = choice.expected_ms / self.scales[tree]
         if expected > 0 and seconds > 0:
@@ -316,9 +329,13 @@ class AutoDrafter:
         self.branches, self.length = branches, length
         self.index = NgramIndex(max_ngram)
         self._trees: dict[tuple, TreeBuffers] = {}
+        self._length = self._next_length = -1  # the history's length at the last step, and after it
         self._last: tuple[Choice, Tensor | None, Tensor | None, list[list[int]]] | None = None
 
     def propose(self, hidden: Tensor, root: Tensor, history: Sequence[int] = ()) -> Draft:
+        if len(history) != self._next_length:  # not the continuation of the last step: a new reply
+            self.policy.new_reply()
+        self._length = len(history)
         found: list[list[int]] = []
         if self.policy.use_lookup and len(history) > 1:
             self.index.sync(history)
@@ -354,6 +371,7 @@ class AutoDrafter:
 
     def observe(self, draft: Draft, emitted: Sequence[int], seconds: float) -> None:
         """`emitted`: the step's new tokens (accepted drafts, then the backbone's own)."""
+        self._next_length = self._length + len(emitted)
         if self._last is not None:
             choice, candidates, probs, found = self._last
             self.policy.observe(choice, candidates, emitted, found, seconds, probs)
