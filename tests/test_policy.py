@@ -14,6 +14,7 @@ from core.settings import DecodeSettings
 from core.tree import load_preset
 from core.tune import costs
 from core.tune.policy import (
+    CONTEXT_PRIOR,
     EXPLORE_EVERY,
     RANKS,
     AutoDrafter,
@@ -294,8 +295,8 @@ def test_a_new_reply_forgets_what_the_lookup_matched_but_not_the_heads():
     draft = drafter.propose(hidden, root, history)
     drafter.observe(draft, [4, 1, 2, 3, 5], 0.01)  # the lookup's continuation matched four tokens
     matched = p.context_match
-    assert matched > 1.0
+    assert matched > CONTEXT_PRIOR
     drafter.propose(hidden, torch.tensor(5), [*history, 4, 1, 2, 3, 5])  # the same reply goes on
     assert p.context_match == matched
     drafter.propose(hidden, root, [9, 8, 7])  # another prompt: a new reply
-    assert p.context_match == 1.0 and p.realized["context"].steps == 0
+    assert p.context_match == CONTEXT_PRIOR and p.realized["context"].steps == 0

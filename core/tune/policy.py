@@ -49,7 +49,8 @@ CONTEXT_RATE = 0.2  # weight of one lookup in the context's running match length
 COST_RATE = 0.1  # weight of one step in the running cost scales
 REALIZED_RATE = 0.1  # weight of one step in the running tokens and ms of its kind
 REALIZED_MIN = 8  # steps of a kind before how they really ran overrules the estimate
-CONTEXT_PRIOR = 1.0  # tokens a lookup continuation is expected to match before one was checked
+CONTEXT_PRIOR = 0.5  # tokens a lookup continuation is expected to match before one was checked (learnt
+# from every step that finds one, drafted or not, so a low start costs little)
 MARGIN = 1.03  # a tree must be expected this much faster than plain decoding to be chosen
 RANKS = 10  # candidates per head the policy reads
 TABULATED = 2 * MAX_BUDGET + 1  # node counts whose step time is kept in a table (more: interpolated)
@@ -188,12 +189,11 @@ class Policy:
         return plain
 
     def new_reply(self) -> None:
-        """A new reply: what the lookup matched and how steps ran belong to the text just left
+        """A new reply: what the lookup matched and how its steps ran belong to the text just left
         (a poem's repeated lines say nothing of an email); what was learned of the heads and the
         machine stays."""
         self.context_match = CONTEXT_PRIOR
-        self.realized = {"heads": Realized(), "context": Realized()}
-        self.since_heads, self._promising = 0, False
+        self.realized["context"] = Realized()
 
     def _pays(self, kind: str, option: Choice, expected: float, plain_ms: float) -> bool:
         """Whether steps of `kind` ("heads": the heads run; "context": lookup only) beat plain ones:
