@@ -99,9 +99,20 @@ def accept_sampling(
     fixed before sampling) descend into it, else y is the next token and the walk stops. Every
     emitted token is thus an exact draw from the backbone, one draw per token.
     """
+    return _walk(lambda node: torch.multinomial(to_probs(logits[node]), 1, generator=generator)[0], tokens, tree)
+
+
+def accept_greedy_walk(logits: Tensor, tokens: Tensor, tree: TreeBuffers) -> Acceptance:
+    """`accept_greedy` as a walk down from the root, reading `logits[node]` only for the nodes on
+    the accepted path (siblings are distinct tokens, so at most one child is the argmax)."""
+    return _walk(lambda node: logits[node].argmax(), tokens, tree)
+
+
+def _walk(pick: Callable[[int], Tensor], tokens: Tensor, tree: TreeBuffers) -> Acceptance:
+    """From the root: y = pick(node); descend into the child whose token is y, else stop with y."""
     node = 0
     while True:
-        y = torch.multinomial(to_probs(logits[node]), 1, generator=generator)[0]
+        y = pick(node)
         kids = tree.children[node]
         hit = kids[(kids >= 0) & (tokens[kids.clamp(min=0)] == y)]
         if hit.numel() == 0:

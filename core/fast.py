@@ -162,8 +162,34 @@ def accelerate(model: nn.Module, kernel: str, head_kernel: str) -> FastForward:
     packed.weight = head.weight
     model.set_output_embeddings(packed)
     forward = FastForward(model)
+    forward.row_head = _cost_grows_by_row(packed)
     setattr(model, _ATTR, forward)
     return forward
+
+
+def row_head(model: nn.Module) -> bool:
+    """Whether a tree's logits are better computed a node at a time (see `step.RowLogits`)."""
+    forward = forward_of(model)
+    return forward is not None and forward.row_head
+
+
+def _cost_grows_by_row(head: PackedLinear, rows: int = 8) -> bool:
+    """Whether `rows` rows through the lm_head cost more than twice one row (a kernel that
+    re-reads the weights per row, such as bf16 emulated without native bf16 arithmetic)."""
+    import time
+
+    x = torch.zeros(rows, head.in_features, dtype=head.packed.dtype if head.kernel != "int4" else torch.bfloat16)
+
+    def best(n: int) -> float:
+        times = []
+        with torch.inference_mode():
+            for _ in range(4):
+                t0 = time.perf_counter()
+                head(x[:n])
+                times.append(time.perf_counter() - t0)
+        return min(times[1:])
+
+    return best(rows) > 2 * best(1)
 
 
 def forward_of(model: nn.Module) -> FastForward | None:
@@ -182,7 +208,8 @@ def describe(model: nn.Module) -> str:
     kernel = layer_kernel(model)
     if kernel is None:
         return "transformers"
-    return f"lean, {kernel} layers, {getattr(model.get_output_embeddings(), 'kernel', 'dense')} lm_head"
+    head = getattr(model.get_output_embeddings(), "kernel", "dense")
+    return f"lean, {kernel} layers, {head} lm_head{' by node' if row_head(model) else ''}"
 
 
 class StaticKV:
@@ -250,6 +277,7 @@ class FastForward:
         ]
         self.final_norm = _norm(base.norm)
         self._cos = self._sin = torch.empty(0)
+        self.row_head = False  # a tree's logits a node at a time (set by `accelerate`, measured)
 
     def new_cache(self) -> StaticKV:
         return StaticKV(len(self.layers), self.kv_heads, self.head_dim, self.dtype)

@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 
 from core import cache as kv
 from core import fast
-from core.acceptance import Acceptance, accept_greedy, accept_sampling, accept_typical
+from core.acceptance import Acceptance, accept_greedy, accept_greedy_walk, accept_sampling, accept_typical
 from core.sampling import probabilities
 from core.settings import DecodeSettings
 from core.tree import HEADS, ROOT, TreeBuffers, build_tree
@@ -56,9 +56,29 @@ class NoDrafter:
         return Draft(root.view(1), self.tree)
 
 
+class RowLogits:
+    """Next-token logits computed one node at a time, the first time `[node]` asks: where the
+    lm_head's cost grows with every row (`core.fast.row_head`), a walk down the tree pays only
+    for the nodes on its path, and each row rounds exactly as a one-token step's does."""
+
+    def __init__(self, model: PreTrainedModel, hidden: Tensor) -> None:
+        self.model, self.hidden = model, hidden
+        self._rows: dict[int, Tensor] = {}
+
+    def __getitem__(self, node: int) -> Tensor:
+        node = int(node)
+        if node not in self._rows:
+            self._rows[node] = project(self.model, self.hidden[node : node + 1])[0]  # (V,)
+        return self._rows[node]
+
+    def full(self) -> Tensor:
+        """(T, V) every node's logits, for rules that read them all."""
+        return torch.stack([self[n] for n in range(self.hidden.shape[0])])
+
+
 @dataclass(frozen=True)
 class Forward:
-    logits: Tensor  # (T, V) the backbone's next-token logits at each input position
+    logits: Tensor | RowLogits  # (T, V) the backbone's next-token logits at each input position
     hidden: Tensor  # (T, H) last hidden state (after the final norm) at each position
 
 
@@ -85,7 +105,8 @@ def verify(model: PreTrainedModel, cache: kv.Cache, draft: Draft) -> Forward:
     """One forward over every tree node on top of the committed prefix in `cache`."""
     past = kv.length(cache)
     hidden = decoder_layers(model, cache, draft, tree_mask(model, draft, past), past)
-    return Forward(project(model, hidden), hidden)
+    by_row = draft.tree.size > 1 and fast.row_head(model)
+    return Forward(RowLogits(model, hidden) if by_row else project(model, hidden), hidden)
 
 
 def tree_mask(model: PreTrainedModel, draft: Draft, past: int) -> Tensor | None:
@@ -111,9 +132,10 @@ def decoder_layers(model: PreTrainedModel, cache: kv.Cache, draft: Draft, mask: 
 
 def accept(forward: Forward, draft: Draft, settings: DecodeSettings, generator: torch.Generator | None) -> Acceptance:
     """Apply the configured acceptance rule to a verified draft."""
+    logits = forward.logits
     if settings.acceptance == "typical":
         return accept_typical(
-            forward.logits,
+            logits.full() if isinstance(logits, RowLogits) else logits,
             draft.tokens,
             draft.tree,
             settings.temperature,
@@ -121,8 +143,9 @@ def accept(forward: Forward, draft: Draft, settings: DecodeSettings, generator: 
             settings.delta,
         )
     if settings.temperature == 0:
-        return accept_greedy(forward.logits, draft.tokens, draft.tree)
-    return accept_sampling(forward.logits, draft.tokens, draft.tree, sampler(settings), generator)
+        greedy = accept_greedy_walk if isinstance(logits, RowLogits) else accept_greedy
+        return greedy(logits, draft.tokens, draft.tree)
+    return accept_sampling(logits, draft.tokens, draft.tree, sampler(settings), generator)
 
 
 def sampler(settings: DecodeSettings) -> Callable[[Tensor], Tensor]:
@@ -131,8 +154,8 @@ def sampler(settings: DecodeSettings) -> Callable[[Tensor], Tensor]:
 
 def first_token(forward: Forward, settings: DecodeSettings, generator: torch.Generator | None) -> Tensor:
     """The backbone's token after the prompt, chosen by the same rule as every later one."""
-    root_only = NoDrafter(forward.logits.device).propose(
-        forward.hidden[-1], forward.logits.new_zeros((), dtype=torch.long)
+    root_only = NoDrafter(forward.hidden.device).propose(
+        forward.hidden[-1], forward.hidden.new_zeros((), dtype=torch.long)
     )
     return accept(forward, root_only, settings, generator).next_token
 

@@ -5,7 +5,14 @@ import pytest
 import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from core.acceptance import Acceptance, accept_greedy, accept_sampling, accept_typical, check_typical
+from core.acceptance import (
+    Acceptance,
+    accept_greedy,
+    accept_greedy_walk,
+    accept_sampling,
+    accept_typical,
+    check_typical,
+)
 from core.errors import UserError
 from core.sampling import apply_top_k, apply_top_p, probabilities
 from core.settings import DecodeSettings
@@ -53,6 +60,27 @@ def test_greedy_stops_where_the_chain_breaks():
     # root → node 1 (token 3) matches; node 1's argmax 5 matches no child (tokens 1, 2)
     result = accept_greedy(argmax_logits([3, 5, 0, 0, 0, 0]), TOKENS, TREE)
     assert result.path.tolist() == [0, 1] and int(result.next_token) == 5
+
+
+class CountedRows:
+    """Logits that note which rows were read."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits, self.read = logits, []
+
+    def __getitem__(self, node):
+        self.read.append(int(node))
+        return self.logits[node]
+
+
+def test_the_greedy_walk_reads_only_the_path_and_agrees_with_greedy():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        logits = torch.randint(0, 8, (6, V), generator=gen).float()  # ties and all: argmax picks the first
+        rows = CountedRows(logits)
+        walked, whole = accept_greedy_walk(rows, TOKENS, TREE), accept_greedy(logits, TOKENS, TREE)
+        assert walked.path.tolist() == whole.path.tolist() and int(walked.next_token) == int(whole.next_token)
+        assert rows.read == walked.path.tolist()  # one row per node on the path, nothing else
 
 
 # -- typical ---------------------------------------------------------------------------------

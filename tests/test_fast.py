@@ -2,18 +2,22 @@
 the static cache keeps paths, int4 reproduces 4-bit blocks, and the kernel choice is remembered."""
 
 import json
+from collections import Counter
 
 import pytest
 import torch
 
 from core import cache as kv
 from core import fast
+from core.drafters import MedusaDrafter
 from core.generate import collect, stream
 from core.settings import DecodeSettings
-from core.step import Draft, prefill, verify
-from core.tree import load_tree
+from core.step import Draft, RowLogits, prefill, verify
+from core.tree import build_tree, load_tree
 from core.tune import kernels
-from tests.helpers import FAST_KERNELS, OracleDrafter, plain_tokens, tiny_model
+from tests.helpers import FAST_KERNELS, OracleDrafter, exact_three_tokens, plain_tokens, tiny_model
+from tests.stats import chi_square_p_value
+from tests.test_engine import random_heads
 
 PROMPT = [1, 17, 33, 5, 60, 2, 41]
 
@@ -177,3 +181,27 @@ def _runs(kernel: str, dtype: torch.dtype) -> bool:
     except (RuntimeError, NotImplementedError):
         return False
     return True
+
+
+@pytest.mark.skipif(not FAST_KERNELS, reason="no fp32 kernel rounds alike at every row count on this CPU")
+def test_logits_by_node_keep_greedy_exact_and_sampling_lossless():
+    """Where the lm_head's cost grows by row, a tree's logits are computed a node at a time (only
+    along the path the acceptance walk takes); replies stay exactly the plain loop's."""
+    model = tiny_model(f"llama+{FAST_KERNELS[0]}")
+    fast.forward_of(model).row_head = True  # as `accelerate` sets it where 8 rows cost over twice one
+    assert fast.row_head(model) and "by node" in fast.describe(model)
+    drafter = MedusaDrafter(random_heads(model), build_tree([[0], [1], [0, 0]]))
+    cache = kv.new_cache(model)
+    prefill(model, cache, torch.tensor(PROMPT))
+    assert isinstance(verify(model, cache, drafter.propose(torch.zeros(64), torch.tensor(3), PROMPT)).logits, RowLogits)
+    reference = plain_tokens(model, PROMPT, 40)
+    _, done = collect(stream(model, PROMPT, DecodeSettings(max_new_tokens=40), drafter))
+    assert list(done.token_ids) == reference and done.tokens_per_step > 1
+
+    vocab, prompt = 6, [1, 4, 2]
+    small = tiny_model(f"llama+{FAST_KERNELS[0]}", vocab=vocab, seed=2)
+    fast.forward_of(small).row_head = True
+    drafter = MedusaDrafter(random_heads(small, num_heads=2, seed=5), build_tree([[0], [1], [0, 0]]))
+    settings, gen, n = DecodeSettings(temperature=1.0, max_new_tokens=3), torch.Generator().manual_seed(3), 3000
+    counts = Counter(collect(stream(small, prompt, settings, drafter, generator=gen))[1].token_ids for _ in range(n))
+    assert chi_square_p_value(counts, exact_three_tokens(small, prompt, vocab), n) > 1e-3
