@@ -201,7 +201,7 @@ class Policy:
         against the rate `expected` (tokens per ms)."""
         real = self.realized[kind]
         if real.steps >= REALIZED_MIN:
-            return real.tokens / real.ms >= 1 / plain_ms
+            return real.tokens / real.ms > 1 / plain_ms
         return option.expected_tokens / option.expected_ms >= expected
 
     def heads_ms(self) -> float:
@@ -286,7 +286,8 @@ class Policy:
             self.realized["heads" if choice.drafted else "context"].add(len(truth), 1000 * seconds)
         plain_ms = self._curve.at(1) * self.scales[False] if self._curve else 0.0
         exploring = choice.reason.startswith("explore")
-        self._promising = exploring and len(truth) / (1000 * seconds) > 1 / plain_ms if plain_ms else False
+        # promising: a draft was accepted and the step, heads and all, beat a plain one
+        self._promising = exploring and len(truth) > 1 and plain_ms > 0 and len(truth) / (1000 * seconds) > 1 / plain_ms
         tree = not choice.plain or choice.drafted
         expected = choice.expected_ms / self.scales[tree]
         if expected > 0 and seconds > 0:
