@@ -49,8 +49,8 @@ CONTEXT_RATE = 0.2  # weight of one lookup in the context's running match length
 COST_RATE = 0.1  # weight of one step in the running cost scales
 REALIZED_RATE = 0.1  # weight of one step in the running tokens and ms of its kind
 REALIZED_MIN = 8  # steps of a kind before how they really ran overrules the estimate
-CONTEXT_PRIOR = 0.5  # tokens a lookup continuation is expected to match before one was checked (learnt
-# from every step that finds one, drafted or not, so a low start costs little)
+CONTEXT_PRIOR = 1.0  # tokens a lookup continuation is expected to match before one was checked (then learnt
+# from every step that finds one, drafted or not); a copy task pays from its first steps
 MARGIN = 1.03  # a tree must be expected this much faster than plain decoding to be chosen
 RANKS = 10  # candidates per head the policy reads
 TABULATED = 2 * MAX_BUDGET + 1  # node counts whose step time is kept in a table (more: interpolated)
