@@ -82,7 +82,6 @@ class Engine:
         self.error: str | None = None
         self._drafters: dict[tuple[str, str], tuple[Preset, Drafter]] = {}
         self._drafters_lock = threading.Lock()  # the chat and the API ask from threads of their own
-        self._closing = threading.Event()  # every reply in progress ends at its next step
         self.compute = ComputeThread()
 
     def start(self) -> None:
@@ -216,7 +215,7 @@ class Engine:
         generator = torch.Generator(b.model.device).manual_seed(secrets.randbits(63) if seed is None else seed)
 
         def stopped() -> bool:
-            return self._closing.is_set() or should_stop()
+            return self.compute.closing or should_stop()  # closing ends a reply at its next step
 
         return self.compute.stream(
             lambda: stream(b.model, prompt_ids, settings, drafter, b.tokenizer, b.eos_ids, generator, stopped)
@@ -226,7 +225,6 @@ class Engine:
         """End the work in progress (a reply at its next step; loading runs to its end) and drop
         what is queued, so the process can exit cleanly; waits up to `timeout` seconds (None: as
         long as it takes). True once the compute thread has ended."""
-        self._closing.set()
         return self.compute.close(timeout)
 
     def token_text(self, token_id: int) -> str:

@@ -176,20 +176,12 @@ def row_head(model: nn.Module) -> bool:
 def _cost_grows_by_row(head: PackedLinear, rows: int = 8) -> bool:
     """Whether `rows` rows through the lm_head cost more than twice one row (a kernel that
     re-reads the weights per row, such as bf16 emulated without native bf16 arithmetic)."""
-    import time
+    from core.tune.profile import time_ms  # core.tune builds on this module
 
     x = torch.zeros(rows, head.in_features, dtype=head.packed.dtype if head.kernel != "int4" else torch.bfloat16)
-
-    def best(n: int) -> float:
-        times = []
-        with torch.inference_mode():
-            for _ in range(4):
-                t0 = time.perf_counter()
-                head(x[:n])
-                times.append(time.perf_counter() - t0)
-        return min(times[1:])
-
-    return best(rows) > 2 * best(1)
+    with torch.inference_mode():
+        one, many = (time_ms(lambda n=n: head(x[:n]), repeats=3, fastest=True) for n in (1, rows))
+    return many > 2 * one
 
 
 def forward_of(model: nn.Module) -> FastForward | None:

@@ -64,17 +64,27 @@ def rank_accuracies(replies: Sequence[Reply]) -> Tensor:
     return match.mean(dim=0)
 
 
+def probability_bins(probs: Tensor) -> Tensor:
+    """(…, K, R) head probabilities → index into a flattened (K, BINS) table: head k's bin of each."""
+    heads = torch.arange(probs.shape[-2]).unsqueeze(-1)  # (K, 1)
+    return (probs.float() * BINS).long().clamp(0, BINS - 1) + BINS * heads
+
+
+def bin_middles() -> Tensor:
+    """(BINS,) the middle probability of each bin."""
+    return (torch.arange(BINS) + 0.5) / BINS
+
+
 def reliability(replies: Sequence[Reply], prior: float = 5.0) -> Tensor:
     """(K, BINS): how often head k's candidates whose probability fell in each bin were right
     (every rank counted; `prior` pseudo-candidates at the bin's middle steady the sparse bins)."""
-    probs = torch.cat([r.probs for r in replies]).float()
+    probs = torch.cat([r.probs for r in replies])
     match = torch.cat([r.match for r in replies]).float()
     k_heads = probs.shape[1]
-    bins = (probs * BINS).long().clamp(0, BINS - 1) + BINS * torch.arange(k_heads)[None, :, None]
-    count = torch.zeros(k_heads * BINS).index_add_(0, bins.flatten(), torch.ones(bins.numel()))
-    hits = torch.zeros(k_heads * BINS).index_add_(0, bins.flatten(), match.flatten())
-    middle = ((torch.arange(BINS) + 0.5) / BINS).repeat(k_heads)
-    return ((hits + prior * middle) / (count + prior)).view(k_heads, BINS)
+    bins = probability_bins(probs).flatten()
+    count = torch.zeros(k_heads * BINS).index_add_(0, bins, torch.ones(bins.numel()))
+    hits = torch.zeros(k_heads * BINS).index_add_(0, bins, match.flatten())
+    return ((hits + prior * bin_middles().repeat(k_heads)) / (count + prior)).view(k_heads, BINS)
 
 
 def greedy_tree(accuracy: Tensor, budget: int) -> list[list[int]]:

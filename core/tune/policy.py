@@ -39,7 +39,7 @@ from torch import Tensor
 from core.lookup import NgramIndex, node_count
 from core.step import Draft
 from core.tree import CONTEXT, HEAD_DRAFTERS, LOOKUP_DRAFTERS, Preset, TreeBuffers, build_tree, graft
-from core.tune.calibrate import BINS, greedy_order, interpolate
+from core.tune.calibrate import BINS, bin_middles, greedy_order, interpolate, probability_bins
 
 MAX_BUDGET = 32  # head nodes the policy may draft (the root not counted)
 EXPLORE_EVERY = 16  # after at least this many steps without heads, draft with them once
@@ -111,8 +111,7 @@ def prior_reliability(heads: int, known: Sequence[Sequence[float]] = ()) -> Tens
     """(heads, BINS) starting guess of how often a candidate of each probability is right: the
     calibration's where known (`calibrate` measures it), else the probability itself for the
     first head and half of it for later ones (heads guessing further ahead are overconfident)."""
-    middle = (torch.arange(BINS) + 0.5) / BINS
-    guess = torch.stack([middle * (1.0 if k == 0 else 0.5) for k in range(heads)])
+    guess = torch.stack([bin_middles() * (1.0 if k == 0 else 0.5) for k in range(heads)])
     for k, row in enumerate(known[:heads]):
         if len(row) == BINS:
             guess[k] = torch.tensor(row, dtype=guess.dtype)
@@ -174,7 +173,7 @@ class Policy:
         """The option with the most tokens per ms: plain, heads of some budget, the lookup's
         `lookup_nodes` nodes (0: it found nothing), or both."""
         curve = self._current()
-        plain_ms = curve.at(1) * self.scales[False]
+        plain_ms = self.plain_ms()
         plain = Choice(0, False, 1, 1.0, plain_ms, "plain: no tree is expected to pay for its cost")
         _, gain = self.order() if self.use_heads else ((), [])
         heads = self._fastest(gain, lookup_nodes, curve.heads_ms, heads_only=True) if gain else None
@@ -203,6 +202,10 @@ class Policy:
         if real.steps >= REALIZED_MIN:
             return real.tokens / real.ms > 1 / plain_ms
         return option.expected_tokens / option.expected_ms >= expected
+
+    def plain_ms(self) -> float:
+        """A plain step's expected ms on the current curve, as plain steps really ran (0 before any curve)."""
+        return self._ms[1] * self.scales[False] if self._ms else 0.0
 
     def heads_ms(self) -> float:
         return self._current().heads_ms * self.scales[True]
@@ -247,8 +250,7 @@ class Policy:
 
     def calibrated(self, probs: Tensor) -> Tensor:
         """(heads, RANKS) probabilities → how often such candidates were right, per head."""
-        bins = (probs.float() * BINS).long().clamp(0, BINS - 1)
-        return self.calibration[: probs.shape[0]].gather(1, bins)
+        return self.calibration.view(-1)[probability_bins(probs)]
 
     def _current(self) -> CostCurve:
         curve = self.curve() or PRIOR_CURVE
@@ -284,7 +286,7 @@ class Policy:
             self.context_match += CONTEXT_RATE * (best - self.context_match)
         if choice.drafted or not choice.plain:
             self.realized["heads" if choice.drafted else "context"].add(len(truth), 1000 * seconds)
-        plain_ms = self._curve.at(1) * self.scales[False] if self._curve else 0.0
+        plain_ms = self.plain_ms()
         exploring = choice.reason.startswith("explore")
         # promising: a draft was accepted and the step, heads and all, beat a plain one
         self._promising = exploring and len(truth) > 1 and plain_ms > 0 and len(truth) / (1000 * seconds) > 1 / plain_ms
@@ -302,8 +304,7 @@ class Policy:
         """Move each bin toward how often this step's checked candidates in it were right (n
         candidates in a bin weigh as n steps of `CALIBRATION_RATE`; padded ranks, -1, skipped)."""
         valid = (probs >= 0).flatten()
-        bins = (probs.float() * BINS).long().clamp(0, BINS - 1) + BINS * torch.arange(probs.shape[0])[:, None]
-        index, hits = bins.flatten()[valid], match.flatten()[valid]
+        index, hits = probability_bins(probs).flatten()[valid], match.flatten()[valid]
         flat = self.calibration.view(-1)
         count = torch.zeros_like(flat).index_add_(0, index, torch.ones_like(hits))
         total = torch.zeros_like(flat).index_add_(0, index, hits)
