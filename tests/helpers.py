@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -110,3 +111,23 @@ def exact_three_tokens(model, prompt: list[int], vocab: int) -> dict[tuple[int, 
         for i, (a, b) in enumerate(itertools.product(range(vocab), repeat=2))
         for c in range(vocab)
     }
+
+
+def three_token_p_value(
+    model, prompt: list[int], vocab: int, drafter, seed: int = 11, n: int = 3000,
+    on_events: Callable[[list], None] = lambda events: None,
+) -> float:  # fmt: skip
+    """Chi-square p-value of `n` three-token replies sampled at temperature 1 with `drafter`
+    against the model's exact distribution; `on_events` sees each reply's step events."""
+    from tests.stats import chi_square_p_value
+
+    settings, gen, counts = (
+        DecodeSettings(temperature=1.0, max_new_tokens=3),
+        torch.Generator().manual_seed(seed),
+        Counter(),
+    )
+    for _ in range(n):
+        events, done = collect(stream(model, prompt, settings, drafter, generator=gen))
+        counts[done.token_ids] += 1
+        on_events(events)
+    return chi_square_p_value(counts, exact_three_tokens(model, prompt, vocab), n)

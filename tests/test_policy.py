@@ -25,8 +25,7 @@ from core.tune.policy import (
     prior_reliability,
 )
 from core.worker import ComputeThread
-from tests.helpers import FAST_KERNELS, exact_three_tokens, plain_tokens, tiny_model
-from tests.stats import chi_square_p_value
+from tests.helpers import FAST_KERNELS, plain_tokens, three_token_p_value, tiny_model
 from tests.test_engine import PROMPT, random_heads
 
 CHEAP = CostCurve({1: 10.0, 8: 10.5, 16: 11.0, 32: 12.0, 64: 14.0}, 0.1)
@@ -187,17 +186,12 @@ def test_lossless_sampling_with_switching_trees_keeps_the_distribution():
     model = tiny_model("llama", vocab=vocab, seed=2)
     prompt = [1, 4, 2]
     drafter = switching_drafter(model, heads_seed=5, num_heads=2)
-    settings = DecodeSettings(temperature=1.0, max_new_tokens=3)
-    exact = exact_three_tokens(model, prompt, vocab)
-    gen = torch.Generator().manual_seed(11)
-    n = 3000
-    counts, sizes = Counter(), Counter()
-    for _ in range(n):
-        events, done = collect(stream(model, prompt, settings, drafter, generator=gen))
-        counts[done.token_ids] += 1
-        sizes.update(e.tree_size for e in events[1:])
+    sizes = Counter()
+    p_value = three_token_p_value(
+        model, prompt, vocab, drafter, on_events=lambda ev: sizes.update(e.tree_size for e in ev[1:])
+    )
     assert sizes[1] > 100 and sum(v for k, v in sizes.items() if k > 1) > 100  # both kinds of step ran
-    assert chi_square_p_value(counts, exact, n) > 1e-3
+    assert p_value > 1e-3
 
 
 # -- the stored curve -----------------------------------------------------------------------------
