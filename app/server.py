@@ -27,7 +27,7 @@ SHUTDOWN_SECONDS = 3  # open connections (a tab's heartbeat, a stream) get this 
 
 @dataclass
 class Server:
-    url: str  # where the chat is; the API is under url + "/v1"
+    url: str  # where this machine reaches the chat; the API is under url + "/v1"
     _uvicorn: uvicorn.Server
     _thread: threading.Thread
     _engine: Engine
@@ -75,4 +75,9 @@ def start(engine: Engine, host: str = "127.0.0.1", port: int = 7860) -> Server:
         if not thread.is_alive():
             raise UserError(f"Could not listen on {host}:{port} (the port may be taken); pass another --port.")
         time.sleep(0.02)
-    return Server(f"http://{host}:{port}", server, thread, engine, demo)
+    return Server(_local_url(host, port), server, thread, engine, demo)
+
+
+def _local_url(host: str, port: int) -> str:
+    """The address this machine opens: a server on every interface is reached through loopback."""
+    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"

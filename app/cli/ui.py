@@ -41,11 +41,6 @@ def _free_port(host: str, start: int = 7860) -> int:
     raise UserError(f"No free port between {start} and {start + 99}; pass --port.")
 
 
-def _local_url(host: str, port: int) -> str:
-    """The address this machine opens: a server on every interface is reached through loopback."""
-    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
-
-
 def run(args: argparse.Namespace) -> int:
     from app.engine import Engine
     from app.server import start
@@ -54,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(args.model, args.dtype, args.device, args.quantization, args.heads)
     engine.start()
     server = start(engine, args.host, port)
-    url = _local_url(args.host, port)
+    url = server.url
     print(f"medusa-chat is running at {url} (API: {url}/v1; Ctrl-C to quit)", file=sys.stderr, flush=True)
     try:
         _present(url, args)
