@@ -31,6 +31,7 @@ from tests.test_engine import PROMPT, random_heads
 CHEAP = CostCurve({1: 10.0, 8: 10.5, 16: 11.0, 32: 12.0, 64: 14.0}, 0.1)
 EXPENSIVE = CostCurve({1: 10.0, 2: 25.0, 8: 80.0, 32: 300.0}, 2.0)
 MODERATE = CostCurve({1: 10.0, 2: 11.0, 4: 12.0, 8: 14.0, 16: 20.0, 32: 40.0}, 0.2)
+ONE_BRANCH = (1, 2, 3, 4)  # a lookup continuation of 4 tokens: its nodes cut to 1, 2, 3, 4 tokens
 GOOD_HEADS = prior_accuracy(4, [0.7, 0.5, 0.4, 0.3], [0.95, 0.85, 0.75, 0.65])
 
 
@@ -133,20 +134,51 @@ def test_heads_that_looked_good_but_ran_slower_than_plain_stop_until_they_pay_ag
 def test_lookup_is_taken_when_it_matches_and_dropped_when_it_does_not():
     p = policy(MODERATE, accuracy=prior_accuracy(4, [0.0] * 4, [0.0] * 4))
     for _ in range(10):
-        c = p.choose(lookup_nodes=4)
+        c = p.choose(lookup_nodes=ONE_BRANCH)
         p.observe(c, None, [1, 2, 3, 4, 5], [[1, 2, 3, 4]], c.expected_ms / 1000)  # steps cost what the curve says
-    assert p.choose(lookup_nodes=4).lookup
-    for _ in range(30):
-        c = p.choose(lookup_nodes=4)
+    assert p.choose(lookup_nodes=ONE_BRANCH).lookup
+    wasted = 0.0  # ms spent over plain steps while the lookup no longer matches
+    for _ in range(60):
+        c = p.choose(lookup_nodes=ONE_BRANCH)
         p.observe(c, None, [9], [[1, 2, 3, 4]], c.expected_ms / 1000)  # the lookup's first token is wrong
-    assert not p.choose(lookup_nodes=4).lookup
+        wasted += c.expected_ms - p.plain_ms()
+    assert not p.choose(lookup_nodes=ONE_BRANCH).lookup
+    assert wasted < 5 * p.plain_ms()  # the failing lookup is cut to its cheapest, then dropped
+
+
+# A staircase, as torch's int4 CPU matmul makes: every 4 rows a block, nodes within one nearly free.
+STAIRS = CostCurve({n: 10.0 + 4.0 * ((n - 1) // 4) + 0.1 * n for n in range(1, 42)}, 0.2)
+
+
+def test_a_cost_staircase_cuts_the_lookup_to_fit_a_block():
+    p = policy(STAIRS, accuracy=prior_accuracy(4, [0.0] * 4, [0.0] * 4))
+    for _ in range(10):  # continuations keep matching their first two tokens, never the third
+        c = p.choose(lookup_nodes=ONE_BRANCH)
+        p.observe(c, None, [1, 2, 9, 9], [[1, 2, 3, 4]], c.expected_ms / 1000)
+    c = p.choose(lookup_nodes=ONE_BRANCH)
+    assert c.lookup == 3 and c.nodes == 4  # root + 3 context nodes: one block; the 4th token would start the next
+    assert p.context_reach(2) > 1.5 and p.context_reach(4) - p.context_reach(2) < 0.5
+
+
+def test_a_plain_step_says_nothing_of_later_lookup_tokens():
+    p = policy(MODERATE)
+    for _ in range(30):  # plain steps emit one token: only the continuation's first token is checked
+        p.observe(replace(p.choose(), reason="plain"), None, [1], [[1, 2, 3, 4]], 0.01)
+    hazard = p.context_hazard
+    assert hazard[0] > 0.99 and torch.all(hazard[1:] == CONTEXT_PRIOR)
+    assert p.context_match == pytest.approx(float(hazard[0]) * sum(CONTEXT_PRIOR**k for k in range(len(hazard))))
+
+
+def test_heads_trees_end_at_a_step_of_the_staircase():
+    c = policy(STAIRS).choose()
+    assert c.budget >= 3 and c.nodes % 4 == 0  # a node more would pay a whole block
 
 
 def test_cost_curve_interpolates_and_extrapolates():
     curve = CostCurve({1: 10.0, 3: 14.0, 5: 20.0}, 0.0)
     assert curve.at(1) == 10.0 and curve.at(0) == 10.0
     assert curve.at(2) == pytest.approx(12.0)
-    assert curve.at(7) == pytest.approx(26.0)
+    assert curve.at(7) == pytest.approx(25.0)  # beyond: the mean slope, (20 - 10) / (5 - 1) a node
 
 
 def test_without_a_measured_curve_the_prior_is_cautious():
@@ -288,9 +320,10 @@ def test_a_new_reply_forgets_what_the_lookup_matched_but_not_the_heads():
     root, hidden = torch.tensor(4), torch.zeros(8)
     draft = drafter.propose(hidden, root, history)
     drafter.observe(draft, [4, 1, 2, 3, 5], 0.01)  # the lookup's continuation matched four tokens
+    prior = Policy(lambda: MODERATE, None).context_match
     matched = p.context_match
-    assert matched > CONTEXT_PRIOR
+    assert matched > prior
     drafter.propose(hidden, torch.tensor(5), [*history, 4, 1, 2, 3, 5])  # the same reply goes on
     assert p.context_match == matched
     drafter.propose(hidden, root, [9, 8, 7])  # another prompt: a new reply
-    assert p.context_match == CONTEXT_PRIOR and p.realized["context"].steps == 0
+    assert p.context_match == prior and p.realized["context"].steps == 0

@@ -200,7 +200,7 @@ def interpolate(latency: dict[int, float], size: float) -> float:
     for a, b in itertools.pairwise(xs):
         if size <= b:
             return latency[a] + (latency[b] - latency[a]) * (size - a) / (b - a)
-    a, b = xs[-2], xs[-1]
+    a, b = xs[0], xs[-1]  # beyond: the mean slope (the last two sizes may share one step of a staircase)
     return latency[b] + (latency[b] - latency[a]) * (size - b) / (b - a)
 
 

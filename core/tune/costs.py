@@ -29,9 +29,14 @@ from core.step import Draft, NoDrafter, accept, commit, prefill, verify
 from core.tune.policy import RANKS, CostCurve
 from core.tune.profile import machine, shaped_tree, time_ms
 
-SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # node counts measured (the policy interpolates between them)
+MAX_NODES = 41  # the largest step the policy drafts: the root, 32 head nodes and 8 lookup nodes
+# Every node count is measured, coarse ones first (what a cut budget leaves is still a curve): a
+# step's cost is a staircase, not a line (torch's int4 CPU matmul works in blocks of 4 rows, so
+# 5 nodes cost as much as 8), and a line between 4 and 6 nodes would price 5 at half a block less.
+COARSE = (1, 2, 4, 8, 16, 32, MAX_NODES)
+SIZES = COARSE + tuple(n for n in range(1, MAX_NODES + 1) if n not in COARSE)
 CONTEXT = 128  # tokens already in the cache while timing (a short conversation)
-FORMAT = 1  # bump when the file's meaning changes: older files are measured again
+FORMAT = 2  # bump when the file's meaning changes: older files are measured again
 BUDGET_S = 15.0  # measuring stops adding sizes after this long (the largest are then extrapolated)
 
 

@@ -12,7 +12,9 @@ prices each option, plain decoding included, and takes the fastest; after it
   (k + 1 ahead), seeded from the calibration; the best tree of every budget is the greedy
   tree of §3.3.3 on those estimates, and its expected accepted tokens the sum of its paths'
   probabilities (the independence estimate `calibrate` uses offline);
-- context: how many tokens the lookup's best continuation matched, when it found one;
+- context: how far the lookup's best continuation matches, as the chance that its k-th token
+  is right given the ones before were (a continuation cut to k tokens costs fewer nodes, and a
+  step of the cost staircase may take a cut one where it would not take the whole);
 - cost: the curve's step time by node count, scaled by how plain and tree steps actually ran
   (two scales: a curve measured while something else ran is wrong in shape, not only in size).
 
@@ -45,12 +47,14 @@ MAX_BUDGET = 32  # head nodes the policy may draft (the root not counted)
 EXPLORE_EVERY = 16  # after at least this many steps without heads, draft with them once
 EXPLORE_SHARE = 0.02  # and not more often than costs this share of the time (on dear trees, rarer)
 HEADS_RATE = 0.05  # weight of one step in the heads' running accuracy
-CONTEXT_RATE = 0.2  # weight of one lookup in the context's running match length
+CONTEXT_RATE = 0.2  # weight of one lookup in the context's running match chances
 COST_RATE = 0.1  # weight of one step in the running cost scales
 REALIZED_RATE = 0.1  # weight of one step in the running tokens and ms of its kind
 REALIZED_MIN = 8  # steps of a kind before how they really ran overrules the estimate
-CONTEXT_PRIOR = 1.0  # tokens a lookup continuation is expected to match before one was checked (then learnt
-# from every step that finds one, drafted or not); a copy task pays from its first steps
+CONTEXT_PRIOR = 0.5  # chance that a lookup continuation's next token matches, given the ones before did,
+# before one was checked (about one matched token in all; then learnt from every step that finds
+# one, drafted or not): a copy task pays from its first steps
+CONTEXT_DEPTH = 16  # continuation tokens whose match chance is tracked (longer ones are cut there)
 MARGIN = 1.03  # a tree must be expected this much faster than plain decoding to be chosen
 RANKS = 10  # candidates per head the policy reads
 TABULATED = 2 * MAX_BUDGET + 1  # node counts whose step time is kept in a table (more: interpolated)
@@ -79,7 +83,7 @@ PRIOR_CURVE = CostCurve({1: 1.0, 64: 13.6}, 0.2)
 @dataclass(frozen=True)
 class Choice:
     budget: int  # head nodes drafted (0: none)
-    lookup: bool  # context continuations grafted under the root
+    lookup: int  # context continuations grafted under the root, cut to this many tokens (0: none)
     nodes: int  # the verify forward's node count, root included
     expected_tokens: float  # tokens this step is expected to return
     expected_ms: float  # what it is expected to cost
@@ -147,7 +151,11 @@ class Policy:
         self.accuracy = accuracy.clone() if accuracy is not None else torch.zeros(0, RANKS)
         self.use_heads = use_heads and self.accuracy.shape[0] > 0
         self.use_lookup = use_lookup
-        self.context_match = CONTEXT_PRIOR  # tokens the lookup's best continuation matches, when it finds one
+        # (CONTEXT_DEPTH,) chance that the lookup's best continuation matches its k-th token, given
+        # it matched the ones before (a discrete hazard: a step that shows only the first tokens
+        # says nothing of later ones)
+        self.context_hazard = torch.full((CONTEXT_DEPTH,), CONTEXT_PRIOR)
+        self._reach: list[float] = []  # cumulative expected matched tokens by cut length (cached)
         self.scales = {False: 1.0, True: 1.0}  # observed ÷ the curve's step time, for plain and tree steps
         self._curve: CostCurve | None = None
         self._ms: list[float] = []
@@ -169,9 +177,10 @@ class Policy:
             self._order = greedy_order(self.accuracy, MAX_BUDGET)
         return self._order
 
-    def choose(self, lookup_nodes: int = 0) -> Choice:
+    def choose(self, lookup_nodes: Sequence[int] = ()) -> Choice:
         """The option with the most tokens per ms: plain, heads of some budget, the lookup's
-        `lookup_nodes` nodes (0: it found nothing), or both."""
+        continuations cut to some length (`lookup_nodes[k - 1]`: their nodes when cut to k tokens;
+        empty: it found nothing), or both."""
         curve = self._current()
         plain_ms = self.plain_ms()
         plain = Choice(0, False, 1, 1.0, plain_ms, "plain: no tree is expected to pay for its cost")
@@ -191,17 +200,34 @@ class Policy:
         """A new reply: what the lookup matched and how its steps ran belong to the text just left
         (a poem's repeated lines say nothing of an email); what was learned of the heads and the
         machine stays."""
-        self.context_match = CONTEXT_PRIOR
+        self.context_hazard.fill_(CONTEXT_PRIOR)
+        self._reach = []
         self.realized["context"] = Realized()
+
+    @property
+    def context_match(self) -> float:
+        """Tokens the lookup's best continuation is expected to match (uncut)."""
+        return self.context_reach(CONTEXT_DEPTH)
+
+    def context_reach(self, length: int) -> float:
+        """Expected matched tokens of the best continuation cut to `length`: Σₖ P(match ≥ k)."""
+        if not self._reach:
+            self._reach = [0.0, *torch.cumprod(self.context_hazard, 0).cumsum(0).tolist()]
+        return self._reach[min(length, CONTEXT_DEPTH)]
 
     def _pays(self, kind: str, option: Choice, expected: float, plain_ms: float) -> bool:
         """Whether steps of `kind` ("heads": the heads run; "context": lookup only) beat plain ones:
-        as they really ran lately once there are enough of them, else as `option` is estimated
-        against the rate `expected` (tokens per ms)."""
+        as `option` is estimated against the rate `expected` (tokens per ms), and as they really ran
+        lately once there are enough of them. The heads' estimate is a model (calibrated
+        probabilities) that may be wrong either way, so how their steps ran overrules it; the
+        lookup's is itself a running record of matches, so how its steps ran can only veto it (it
+        would otherwise keep a lookup that stopped matching for as long as the record remembers)."""
+        estimated = option.expected_tokens / option.expected_ms >= expected
         real = self.realized[kind]
-        if real.steps >= REALIZED_MIN:
-            return real.tokens / real.ms > 1 / plain_ms
-        return option.expected_tokens / option.expected_ms >= expected
+        if real.steps < REALIZED_MIN:
+            return estimated
+        really = real.tokens / real.ms > 1 / plain_ms
+        return really if kind == "heads" else really and estimated
 
     def plain_ms(self) -> float:
         """A plain step's expected ms on the current curve, as plain steps really ran (0 before any curve)."""
@@ -210,7 +236,7 @@ class Policy:
     def heads_ms(self) -> float:
         return self._current().heads_ms * self.scales[True]
 
-    def refine(self, choice: Choice, probs: Tensor, lookup_nodes: int = 0) -> Choice:
+    def refine(self, choice: Choice, probs: Tensor, lookup_nodes: Sequence[int] = ()) -> Choice:
         """This step's tree from the heads' own top-RANKS probabilities (heads, RANKS), once they ran
         for `choice`: the budget (0 included) with the most expected tokens per ms, the heads'
         cost being paid already."""
@@ -223,30 +249,32 @@ class Policy:
         return replace(best, reason=explore + reason, drafted=True, paths=tuple(paths[: best.budget]))
 
     def _fastest(
-        self, gain: Sequence[float], lookup_nodes: int, heads_ms: float, heads_only: bool = False, sunk: bool = False
+        self,
+        gain: Sequence[float],
+        lookup_nodes: Sequence[int],
+        heads_ms: float,
+        heads_only: bool = False,
+        sunk: bool = False,
     ) -> Choice:
         """The tree step with the most tokens per ms: `gain[b - 1]` the drafted tokens expected of b
-        head nodes, the lookup's `lookup_nodes` nodes (if any) or both; `heads_only`: at least one
-        head node; `sunk`: the heads ran already (their cost in every option, plain included)."""
-        scale, ms_at = self.scales[True], self._ms
-        lookups = (False, True) if self.use_lookup and lookup_nodes else (False,)
-        best, best_rate = (0, False), -1.0
-        for lookup in lookups:
-            extra, context = (lookup_nodes, self.context_match) if lookup else (0, 0.0)
-            for budget in range(0 if sunk or (lookup and not heads_only) else 1, len(gain) + 1):
+        head nodes, the lookup's continuations cut to k tokens (`lookup_nodes[k - 1]` nodes), or
+        both; `heads_only`: at least one head node; `sunk`: the heads ran already (their cost in
+        every option, plain included). Every cut is priced, as the cost curve is a staircase."""
+        ms_at, curve = self._ms, self._curve
+        cuts = range(len(lookup_nodes) + 1) if self.use_lookup else range(1)
+        best, best_rate = (0, 0, 1, 0.0), -1.0  # (budget, cut, nodes, ms)
+        for cut in cuts:
+            extra, context = (lookup_nodes[cut - 1], self.context_reach(cut)) if cut else (0, 0.0)
+            for budget in range(0 if sunk or (cut and not heads_only) else 1, len(gain) + 1):
                 nodes = 1 + budget + extra
-                ms = (ms_at[nodes] if nodes < len(ms_at) else self._curve.at(nodes)) + (
-                    heads_ms if budget or sunk else 0
-                )
+                ms = (ms_at[nodes] if nodes < len(ms_at) else curve.at(nodes)) + (heads_ms if budget or sunk else 0)
                 rate = (1 + max(gain[budget - 1] if budget else 0.0, context)) / ms
                 if rate > best_rate:
-                    best, best_rate = (budget, lookup), rate
-        budget, lookup = best
-        nodes = 1 + budget + (lookup_nodes if lookup else 0)
-        ms = (ms_at[nodes] if nodes < len(ms_at) else self._curve.at(nodes)) + (heads_ms if budget or sunk else 0)
-        tokens = 1 + max(gain[budget - 1] if budget else 0.0, self.context_match if lookup else 0.0)
-        parts = [f"{budget} head nodes"] * bool(budget) + [f"{lookup_nodes} context nodes"] * lookup
-        return Choice(budget, lookup, nodes, tokens, ms * scale, " + ".join(parts), budget > 0 or sunk)
+                    best, best_rate = (budget, cut, nodes, ms), rate
+        budget, cut, nodes, ms = best
+        tokens = 1 + max(gain[budget - 1] if budget else 0.0, self.context_reach(cut) if cut else 0.0)
+        parts = [f"{budget} head nodes"] * bool(budget) + [f"{nodes - 1 - budget} context nodes"] * bool(cut)
+        return Choice(budget, cut, nodes, tokens, ms * self.scales[True], " + ".join(parts), budget > 0 or sunk)
 
     def calibrated(self, probs: Tensor) -> Tensor:
         """(heads, RANKS) probabilities → how often such candidates were right, per head."""
@@ -282,8 +310,7 @@ class Policy:
         else:
             self.since_heads += 1
         if found:
-            best = max(_common_prefix(c, truth) for c in found)
-            self.context_match += CONTEXT_RATE * (best - self.context_match)
+            self._observe_context(found, truth)
         if choice.drafted or not choice.plain:
             self.realized["heads" if choice.drafted else "context"].add(len(truth), 1000 * seconds)
         plain_ms = self.plain_ms()
@@ -299,6 +326,17 @@ class Policy:
             else:  # later ones move it a little (one odd step, a little less)
                 ratio = min(max(ratio, self.scales[tree] / 3), self.scales[tree] * 3)
                 self.scales[tree] += COST_RATE * (ratio - self.scales[tree])
+
+    def _observe_context(self, found: Sequence[Sequence[int]], truth: Sequence[int]) -> None:
+        """Move the match chance of each continuation token this step could check: the best
+        continuation matched `best` tokens; the one after them (if the step showed it) did not."""
+        best = max(_common_prefix(c, truth) for c in found)
+        shown = min(len(truth), max(map(len, found)), CONTEXT_DEPTH)  # tokens this step could check
+        checked = min(best + 1, shown)
+        if checked:
+            hit = (torch.arange(checked) < best).float()
+            self.context_hazard[:checked] += CONTEXT_RATE * (hit - self.context_hazard[:checked])
+            self._reach = []
 
     def _calibrate(self, probs: Tensor, match: Tensor) -> None:
         """Move each bin toward how often this step's checked candidates in it were right (n
@@ -342,7 +380,7 @@ class AutoDrafter:
         if self.policy.use_lookup and len(history) > 1:
             self.index.sync(history)
             found = self.index.continuations(self.branches, self.length)
-        lookup_nodes = node_count(found)
+        lookup_nodes = [node_count([c[:k] for c in found]) for k in range(1, max(map(len, found), default=0) + 1)]
         choice = self.policy.choose(lookup_nodes)
         candidates = probs = None
         tokens, tree = [int(root)], self._tree(())
@@ -357,7 +395,7 @@ class AutoDrafter:
             tokens += candidates.flatten()[index].tolist()
         sources: tuple[int, ...] = ()
         if choice.lookup and found:
-            tokens, tree, merged = graft(tree, tokens, found, CONTEXT)
+            tokens, tree, merged = graft(tree, tokens, [c[: choice.lookup] for c in found], CONTEXT)
             sources = tuple(merged)
         self._last = (choice, candidates, probs, found)
         device = root.device
