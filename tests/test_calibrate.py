@@ -63,7 +63,7 @@ def test_replay_predicts_the_steps_of_real_greedy_decoding():
 def test_interpolated_latency():
     ms = {1: 10.0, 5: 14.0, 9: 22.0}
     assert cal.interpolate(ms, 1) == 10 and cal.interpolate(ms, 3) == 12 and cal.interpolate(ms, 7) == 18
-    assert cal.interpolate(ms, 11) == 26  # extrapolates the last slope
+    assert cal.interpolate(ms, 11) == 25  # extrapolates the mean slope, (22 - 10) / (9 - 1) a node
 
 
 def test_reliability_is_the_hit_rate_of_each_probability_bin():
