@@ -183,7 +183,7 @@ class Policy:
         empty: it found nothing), or both."""
         curve = self._current()
         plain_ms = self.plain_ms()
-        plain = Choice(0, False, 1, 1.0, plain_ms, "plain: no tree is expected to pay for its cost")
+        plain = Choice(0, 0, 1, 1.0, plain_ms, "plain: no tree is expected to pay for its cost")
         _, gain = self.order() if self.use_heads else ((), [])
         heads = self._fastest(gain, lookup_nodes, curve.heads_ms, heads_only=True) if gain else None
         if heads and self._pays("heads", heads, RUN_HEADS / plain_ms, plain_ms):
