@@ -27,8 +27,8 @@ from core.history import Fitted, fit_history
 from core.settings import MODES, DecodeSettings
 from core.step import Drafter
 from core.tree import AUTO, DRAFTERS, Preset, load_preset, preset_names
+from core.tune.auto import auto_drafter
 from core.tune.costs import StepCosts
-from core.tune.policy import auto_drafter
 from core.worker import ComputeThread
 from models.loader import Backbone, heads_for, load_backbone, resolve, resolve_heads, step_costs
 

@@ -13,14 +13,13 @@ from core.generate import collect, stream
 from core.settings import DecodeSettings
 from core.tree import load_preset
 from core.tune import costs
+from core.tune.auto import AutoDrafter, auto_drafter
 from core.tune.policy import (
     CONTEXT_PRIOR,
     EXPLORE_EVERY,
     RANKS,
-    AutoDrafter,
     CostCurve,
     Policy,
-    auto_drafter,
     prior_accuracy,
     prior_reliability,
 )

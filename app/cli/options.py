@@ -95,7 +95,7 @@ def setup(args: argparse.Namespace, kinds: tuple[str, ...] | None, fixed: tuple[
     on a fixed tree (bench compares them)."""
     from core.drafters import make_drafter
     from core.tree import load_preset, preset_names
-    from core.tune.policy import auto_drafter
+    from core.tune.auto import auto_drafter
     from models.loader import heads_for, load_backbone, resolve, resolve_heads, step_costs
 
     decode = settings(args)

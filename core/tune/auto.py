@@ -1,0 +1,95 @@
+"""The policy-driven drafter: each step's tree as the speculation policy (`policy`) chooses it,
+from the heads' top candidates and the continuations the lookups find."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from core.lookup import NgramIndex, node_count
+from core.step import Draft
+from core.tree import CONTEXT, HEAD_DRAFTERS, LOOKUP_DRAFTERS, Preset, TreeBuffers, build_tree, graft
+from core.tune.policy import RANKS, Choice, CostCurve, Policy, prior_accuracy
+
+TREES = 256  # tree buffers an AutoDrafter keeps built (each step's tree may differ)
+
+
+class AutoDrafter:
+    """A drafter whose tree the policy chooses each step, from the heads' top candidates and the
+    context's continuations; `observe` feeds each step's outcome back to the policy."""
+
+    def __init__(self, heads, policy: Policy, branches: int = 2, length: int = 4, max_ngram: int = 4) -> None:
+        self.heads, self.policy = heads, policy
+        self.ranks = min(RANKS, getattr(heads, "vocab_size", RANKS))  # a tiny vocabulary has fewer candidates
+        policy.accuracy[:, self.ranks :] = 0
+        self.branches, self.length = branches, length
+        self.index = NgramIndex(max_ngram)
+        self._trees: dict[tuple, TreeBuffers] = {}
+        self._length = self._next_length = -1  # the history's length at the last step, and after it
+        self._last: tuple[Choice, Tensor | None, Tensor | None, list[list[int]]] | None = None
+
+    def propose(self, hidden: Tensor, root: Tensor, history: Sequence[int] = ()) -> Draft:
+        if len(history) != self._next_length:  # not the continuation of the last step: a new reply
+            self.policy.new_reply()
+        self._length = len(history)
+        found: list[list[int]] = []
+        if self.policy.use_lookup and len(history) > 1:
+            self.index.sync(history)
+            found = self.index.continuations(self.branches, self.length)
+        lookup_nodes = [node_count([c[:k] for c in found]) for k in range(1, max(map(len, found), default=0) + 1)]
+        choice = self.policy.choose(lookup_nodes)
+        candidates = probs = None
+        tokens, tree = [int(root)], self._tree(())
+        if choice.drafted:
+            with torch.inference_mode():
+                top, p = self.heads.top(hidden, self.policy.accuracy.shape[0], self.ranks)
+            candidates = torch.nn.functional.pad(top.cpu(), (0, RANKS - self.ranks), value=-1)
+            probs = torch.nn.functional.pad(p.float().cpu(), (0, RANKS - self.ranks), value=-1)
+            choice = self.policy.refine(choice, probs, lookup_nodes)
+            tree = self._tree(choice.paths)
+            index = (tree.depth[1:] - 1) * RANKS + tree.rank[1:]  # into the flattened (heads, RANKS) table
+            tokens += candidates.flatten()[index].tolist()
+        sources: tuple[int, ...] = ()
+        if choice.lookup and found:
+            tokens, tree, merged = graft(tree, tokens, [c[: choice.lookup] for c in found], CONTEXT)
+            sources = tuple(merged)
+        self._last = (choice, candidates, probs, found)
+        device = root.device
+        return Draft(torch.tensor(tokens, device=device), tree if device.type == "cpu" else tree.to(device), sources)
+
+    def _tree(self, paths: tuple[tuple[int, ...], ...]) -> TreeBuffers:
+        """The tree of these head paths (built once, kept among the last `TREES` used)."""
+        tree = self._trees.pop(paths, None) or build_tree(list(paths))
+        self._trees[paths] = tree  # most recently used last
+        if len(self._trees) > TREES:
+            del self._trees[next(iter(self._trees))]
+        return tree
+
+    def observe(self, draft: Draft, emitted: Sequence[int], seconds: float) -> None:
+        """`emitted`: the step's new tokens (accepted drafts, then the backbone's own)."""
+        self._next_length = self._length + len(emitted)
+        if self._last is not None:
+            choice, candidates, probs, found = self._last
+            self.policy.observe(choice, candidates, emitted, found, seconds, probs)
+            self._last = None
+
+    @property
+    def last_choice(self) -> Choice | None:
+        return self._last[0] if self._last else None
+
+
+def auto_drafter(
+    kind: str, heads, curve: Callable[[], CostCurve | None], preset: Preset, trained: bool = True
+) -> AutoDrafter:
+    """The policy-driven drafter for `kind` ("medusa": heads only, "lookup": context only,
+    "hybrid": both), its heads' prior from `preset`'s calibration (untrained heads start near 0)."""
+    use_heads = kind in HEAD_DRAFTERS and heads is not None
+    prior = None
+    if use_heads:
+        prior = prior_accuracy(heads.num_heads, preset.top1, preset.top10) if trained else None
+        prior = prior if prior is not None else prior_accuracy(heads.num_heads, [0.02] * heads.num_heads)
+    reliability = preset.reliability if use_heads and trained else ()
+    policy = Policy(curve, prior, use_heads, use_lookup=kind in LOOKUP_DRAFTERS, reliability=reliability)
+    return AutoDrafter(heads, policy, preset.lookup_branches, preset.lookup_length)
