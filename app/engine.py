@@ -24,13 +24,14 @@ from core.drafters import make_drafter
 from core.errors import UserError
 from core.generate import Finished, StepEvent, context_length, stream
 from core.history import Fitted, fit_history
+from core.retrieval import Corpus
 from core.settings import MODES, DecodeSettings
 from core.step import Drafter
 from core.tree import AUTO, DRAFTERS, Preset, load_preset, preset_names
 from core.tune.auto import auto_drafter
 from core.tune.costs import StepCosts
 from core.worker import ComputeThread
-from models.loader import Backbone, heads_for, load_backbone, resolve, resolve_heads, step_costs
+from models.loader import Backbone, corpus_for, heads_for, load_backbone, resolve, resolve_heads, step_costs
 
 log = logging.getLogger("medusa-chat")
 
@@ -70,6 +71,7 @@ class Loaded:
     trained: bool  # False: untrained heads, few drafts accepted
     default_tree: str  # the model's calibrated preset (what the policy's priors come from)
     costs: StepCosts  # this machine's step-cost curve for the model, measured once
+    corpus: Corpus | None = None  # the model's past replies, for retrieval drafting (None: none ships)
 
 
 class Engine:
@@ -106,7 +108,7 @@ class Engine:
             heads_dir = resolve_heads(self.heads_arg) if own else spec.heads_folder
             heads, trained = heads_for(backbone, heads_dir)
             default = spec.tree if spec.tree in preset_names() else "cpu-16"
-            return Loaded(backbone, heads, trained, default, step_costs(backbone, heads))
+            return Loaded(backbone, heads, trained, default, step_costs(backbone, heads), corpus_for(backbone))
 
         loaded = self.compute.call(build)
         self.loaded, self.model_id, self.error = loaded, model, None
@@ -152,13 +154,15 @@ class Engine:
         loaded = self.require()
         if tree_name == AUTO:
             preset = load_preset(loaded.default_tree)
-            drafter = auto_drafter(kind or preset.drafter, loaded.heads, loaded.costs.curve, preset, loaded.trained)
+            drafter = auto_drafter(
+                kind or preset.drafter, loaded.heads, loaded.costs.curve, preset, loaded.trained, loaded.corpus
+            )
         else:
             preset = load_preset(tree_name)
             tree = preset.tree.to(loaded.backbone.model.device)
             drafter = make_drafter(
                 kind or preset.drafter, loaded.heads, tree, f"Tree '{preset.name}'",
-                preset.lookup_branches, preset.lookup_length,
+                preset.lookup_branches, preset.lookup_length, loaded.corpus,
             )  # fmt: skip
         return preset, drafter
 

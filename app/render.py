@@ -38,10 +38,15 @@ from markdown_it.token import Token
 _FIRST, _LAST = 0xF0000, 0xFFFFD  # plane-15 private use: never in the tokenizer's text
 _MARKS = re.compile("([\U000f0000-\U000ffffd])")
 PALETTE = 6  # colors cycle over this many classes
-SOURCE_LABEL = {"heads": "from the Medusa heads", "context": "copied from the conversation", "both": "from both"}
+SOURCE_LABEL = {
+    "heads": "from the Medusa heads",
+    "context": "copied from the conversation",
+    "both": "from both",
+    "retrieval": "copied from the model's past replies",
+}
 LINK_REL = "noopener noreferrer nofollow"
 
-Step = tuple  # (text, drafted tokens accepted[, source of those drafts: "heads", "context" or "both"])
+Step = tuple  # (text, drafted tokens accepted[, source of those drafts: one of SOURCE_LABEL's keys])
 
 
 def _mark(k: int) -> str:
@@ -307,12 +312,15 @@ def _link_tail(text: str, pos: int) -> int | None:
 
 
 def step_source(sources: tuple[str, ...]) -> str:
-    """One label for a step's accepted drafts: "context" when the context proposed them all
-    (some also by the heads), "heads" when the heads did, "both" when both did throughout."""
+    """One label for a step's accepted drafts: "context" or "retrieval" when that lookup proposed
+    them all (some also by the heads), "heads" when the heads did, "both" when both did throughout."""
     kinds = set(sources)
     if not kinds or kinds == {"both"}:
         return "both" if kinds else ""
-    return "context" if kinds <= {"context", "both"} else "heads"
+    for lookup in ("context", "retrieval"):
+        if kinds <= {lookup, "both"}:
+            return lookup
+    return "heads"
 
 
 LEGEND = (
@@ -322,7 +330,9 @@ LEGEND = (
     "that also accepted drafted tokens (the color changes from step to step): "
     '<span class="st c3 src-heads">solid underline</span> = drafted by the Medusa heads, '
     '<span class="st c4 src-context">dashed underline</span> = copied from the conversation, '
-    '<span class="st c5 src-both">double underline</span> = proposed by both. Hover a run for its step.</div>'
+    '<span class="st c5 src-both">double underline</span> = proposed by both, '
+    '<span class="st c0 src-retrieval">dotted underline</span> = copied from the model\'s past replies. '
+    "Hover a run for its step.</div>"
 )
 
 
@@ -400,12 +410,12 @@ def tree_html(
     """The candidate tree of one step as nested lists; the accepted path highlighted.
 
     tokens[i] is the text of node i (node 0 the root, its own parent); sources[i] says where
-    node i came from ("heads", "context", "both")."""
+    node i came from ("heads", "context", "both", "retrieval")."""
     children: dict[int, list[int]] = {}
     for i in range(1, len(parents)):
         children.setdefault(parents[i], []).append(i)
     on_path = set(accepted_path)
-    tag = {"heads": "", "context": "ctx", "both": "both"}
+    tag = {"heads": "", "context": "ctx", "both": "both", "retrieval": "past"}
 
     def node(i: int) -> str:
         cls = "node accepted" if i in on_path else "node"

@@ -1,4 +1,5 @@
-"""Drafters: Medusa heads filling a fixed tree, context lookup, and both in one tree per step.
+"""Drafters: Medusa heads filling a fixed tree, context lookup (and retrieval from the model's
+past replies where the context finds nothing), and both in one tree per step.
 
 (Plain decoding is `step.NoDrafter`.) Every drafter returns distinct children under each node,
 fixed before verification, which keeps lossless sampling exact whatever the source.
@@ -14,8 +15,9 @@ from torch import Tensor
 
 from core.errors import UserError
 from core.lookup import NgramIndex
+from core.retrieval import Corpus
 from core.step import Draft
-from core.tree import CONTEXT, DRAFTERS, TreeBuffers, build_tree, check_fits, graft
+from core.tree import CONTEXT, DRAFTERS, LOOKUP_DRAFTERS, RETRIEVAL, TreeBuffers, build_tree, check_fits, graft
 
 
 class Heads(Protocol):
@@ -44,22 +46,36 @@ class MedusaDrafter:
 
 
 class LookupDrafter:
-    """Continuations of the history's longest earlier-seen suffix, grafted under the root of
-    `base` (the heads' draft in hybrid mode, else the root alone)."""
+    """Continuations of the history's longest earlier-seen suffix (in the context, else in the
+    `corpus` of past replies), grafted under the root of `base` (the heads' draft in hybrid mode,
+    else the root alone). `context` False: the corpus only."""
 
-    def __init__(self, base: MedusaDrafter | None = None, branches: int = 2, length: int = 4, max_ngram: int = 4):
+    def __init__(
+        self,
+        base: MedusaDrafter | None = None,
+        branches: int = 2,
+        length: int = 4,
+        max_ngram: int = 4,
+        corpus: Corpus | None = None,
+        context: bool = True,
+    ):
         self.base = base
         self.branches, self.length = branches, length
-        self.index = NgramIndex(max_ngram)
+        self.index = NgramIndex(max_ngram) if context else None
+        self.corpus = corpus
         self.root_only = build_tree([])
 
     def propose(self, hidden: Tensor, root: Tensor, history: Sequence[int] = ()) -> Draft:
         draft = self.base.propose(hidden, root, history) if self.base else Draft(root.view(1), self.root_only)
-        self.index.sync(history)
-        found = self.index.continuations(self.branches, self.length) if len(history) > 1 else []
+        found, source = [], CONTEXT
+        if self.index is not None:
+            self.index.sync(history)
+            found = self.index.continuations(self.branches, self.length) if len(history) > 1 else []
+        if not found and self.corpus is not None and len(history) > 1:
+            found, source = self.corpus.continuations(history, self.branches, self.length)[0], RETRIEVAL
         if not found:
             return draft
-        tokens, tree, sources = graft(draft.tree, draft.tokens.tolist(), found, CONTEXT)
+        tokens, tree, sources = graft(draft.tree, draft.tokens.tolist(), found, source)
         device = draft.tokens.device
         return Draft(
             torch.tensor(tokens, device=device), tree if device.type == "cpu" else tree.to(device), tuple(sources)
@@ -67,17 +83,26 @@ class LookupDrafter:
 
 
 def make_drafter(
-    kind: str, heads: Heads | None, tree: TreeBuffers, tree_name: str = "the tree", branches: int = 2, length: int = 4
+    kind: str,
+    heads: Heads | None,
+    tree: TreeBuffers,
+    tree_name: str = "the tree",
+    branches: int = 2,
+    length: int = 4,
+    corpus: Corpus | None = None,
 ) -> MedusaDrafter | LookupDrafter:
-    """The drafter called `kind` ("medusa", "lookup" or "hybrid")."""
+    """The drafter called `kind` (one of DRAFTERS); `corpus`: the past replies "retrieval" and
+    "hybrid" also copy from (None: none)."""
     if kind not in DRAFTERS:
         raise UserError(f"Unknown drafter '{kind}'; choose one of {', '.join(DRAFTERS)}.")
-    if kind == "lookup":
-        return LookupDrafter(None, branches, length)
+    if kind in ("lookup", "retrieval"):
+        return LookupDrafter(
+            None, branches, length, corpus=corpus if kind == "retrieval" else None, context=kind in LOOKUP_DRAFTERS
+        )
     if kind == "medusa" and tree.size == 1:
         raise UserError(
             f"{tree_name} has no paths, so the heads would draft nothing; choose a tree with paths such as "
             "[[0], [1], [0, 0]], or plain decoding (--mode baseline)."
         )
     medusa = MedusaDrafter(heads, tree, tree_name=tree_name)
-    return medusa if kind == "medusa" else LookupDrafter(medusa, branches, length)
+    return medusa if kind == "medusa" else LookupDrafter(medusa, branches, length, corpus=corpus)

@@ -62,3 +62,11 @@ class NgramIndex:
 def node_count(continuations: list[list[int]]) -> int:
     """Tree nodes the continuations add under the root once shared prefixes are merged."""
     return len({tuple(c[:d]) for c in continuations for d in range(1, len(c) + 1)})
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n

@@ -23,13 +23,16 @@ from core.errors import UserError
 Path_ = tuple[int, ...]
 
 
-SOURCES = ("root", "heads", "context", "both")  # where a node's token came from
+# where a node's token came from ("both": the heads and a lookup; "retrieval": the model's past replies)
+SOURCES = ("root", "heads", "context", "both", "retrieval")
 DRAFT_SOURCES = SOURCES[1:]  # where an accepted drafted token came from
-DRAFTERS = ("medusa", "lookup", "hybrid")  # heads only, context only, both in one tree
+# heads only, context only, past replies only, all in one tree
+DRAFTERS = ("medusa", "lookup", "retrieval", "hybrid")
 HEAD_DRAFTERS = ("medusa", "hybrid")  # the drafters that need Medusa heads
 LOOKUP_DRAFTERS = ("lookup", "hybrid")  # the drafters that copy from the context
+RETRIEVAL_DRAFTERS = ("retrieval", "hybrid")  # the drafters that copy from the model's past replies
 AUTO = "auto"  # the tree name that lets the speculation policy choose each step's tree (the default)
-ROOT, HEADS, CONTEXT, BOTH = range(4)
+ROOT, HEADS, CONTEXT, BOTH, RETRIEVAL = range(5)
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,7 @@ def graft(
 
     A branch follows existing nodes while their tokens match and adds new nodes after that,
     so siblings stay distinct. Returns the merged tokens, buffers and each node's source
-    (ROOT, HEADS, CONTEXT or BOTH; the base tree's nodes count as HEADS)."""
+    (ROOT, HEADS, `source` or BOTH; the base tree's nodes count as HEADS)."""
     parent = tree.parent.tolist()
     rank = tree.rank.tolist()
     tokens = list(tokens)
@@ -225,7 +228,7 @@ def load_preset(name_or_file: str) -> Preset:
     )
     if not valid:
         raise UserError(
-            f"Tree file {file} has a bad drafter or lookup setting; use drafter medusa, lookup or hybrid "
+            f"Tree file {file} has a bad drafter or lookup setting; use drafter {', '.join(DRAFTERS)} "
             "and lookup branches and length from 1 to 16."
         )
     calibration = data.get("calibration") or {}

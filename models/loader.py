@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from core import fast
 from core.errors import UserError
+from core.retrieval import Corpus, load_corpus
 from core.tune import costs, kernels
 from models import catalog, hub
 from models.cpu import transpose_linears
@@ -288,6 +289,19 @@ def _eos_ids(model: PreTrainedModel, tokenizer: object) -> tuple[int, ...]:
 def shipped_heads_dir(model_id: str) -> Path | None:
     folder = Path(str(resources.files("assets") / "heads" / model_id))
     return folder if (folder / "medusa_lm_head.safetensors").is_file() else None
+
+
+def corpus_for(backbone: Backbone) -> Corpus | None:
+    """The index of the model's own past replies that ships with it, for retrieval drafting (None
+    if none ships; one sentence on stderr, and None, if the file cannot be used)."""
+    file = Path(str(resources.files("assets") / "retrieval" / f"{backbone.name}.safetensors"))
+    if not re.fullmatch(r"[\w.-]+", backbone.name) or not file.is_file():  # catalog ids only, not paths
+        return None
+    try:
+        return load_corpus(file, backbone.model.get_output_embeddings().weight.shape[0])
+    except UserError as e:
+        print(f"{e} Drafting goes on without it.", file=sys.stderr)
+        return None
 
 
 def heads_for(backbone: Backbone, heads_dir: str | Path | None, num_heads: int = 4) -> tuple[MedusaHeads, bool]:

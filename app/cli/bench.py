@@ -18,8 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", required=True, help='JSONL file, one {"prompt": ...} per line')
     p.add_argument(
         "--modes",
-        help="comma-separated: medusa, lookup, hybrid (tree decoding with that drafter), baseline (our plain "
-        "loop), hf, hf-bf16, hf-pld (stock transformers generate on an unmodified copy of the model: fp32, bf16, "
+        help="comma-separated: medusa, lookup, retrieval, hybrid (tree decoding with that drafter), baseline (our "
+        "plain loop), hf, hf-bf16, hf-pld (stock transformers generate on an unmodified copy of the model: fp32, bf16, "
         "and prompt lookup), llamacpp (llama.cpp on the same GGUF, if installed); "
         "default: drafter,baseline,hf,hf-bf16 (CPUs with native bf16 and GPUs),hf-pld",
     )

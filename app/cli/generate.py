@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
 class _Painter:
     """Colors each step's text in a terminal: drafted-and-accepted steps stand out, and those
-    whose drafts were copied from the conversation are also underlined."""
+    whose drafts were copied from the conversation or from past replies are also underlined."""
 
     COLORS = ("\x1b[38;5;39m", "\x1b[38;5;208m", "\x1b[38;5;35m", "\x1b[38;5;170m")
 
@@ -100,7 +100,7 @@ class _Painter:
     def write(self, text: str, accepted: int, sources: tuple[str, ...] = ()) -> None:
         if self.enabled and accepted:
             self.n += 1
-            underline = "\x1b[4m" if any(s in ("context", "both") for s in sources) else ""
+            underline = "\x1b[4m" if any(s in ("context", "both", "retrieval") for s in sources) else ""
             text = f"{self.COLORS[self.n % len(self.COLORS)]}{underline}{text}\x1b[0m"
         sys.stdout.write(text)
         sys.stdout.flush()

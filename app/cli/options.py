@@ -10,7 +10,7 @@ from pathlib import Path
 
 from core.errors import UserError
 from core.settings import ACCEPTANCE_RULES, DecodeSettings
-from core.tree import AUTO, DRAFTERS, HEAD_DRAFTERS
+from core.tree import AUTO, DRAFTERS, HEAD_DRAFTERS, RETRIEVAL_DRAFTERS
 
 
 def model_options(p: argparse.ArgumentParser, heads: bool = True) -> None:
@@ -42,7 +42,8 @@ def decoding_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--drafter",
         choices=DRAFTERS,
-        help="medusa: heads; lookup: copies from the conversation; hybrid: both in one tree (default: the tree's)",
+        help="medusa: heads; lookup: copies from the conversation; retrieval: copies from the model's past replies; "
+        "hybrid: all in one tree (default: the tree's)",
     )
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--stop", action="append", default=[], type=stop_string, help="stop string (repeatable)")
@@ -96,7 +97,7 @@ def setup(args: argparse.Namespace, kinds: tuple[str, ...] | None, fixed: tuple[
     from core.drafters import make_drafter
     from core.tree import load_preset, preset_names
     from core.tune.auto import auto_drafter
-    from models.loader import heads_for, load_backbone, resolve, resolve_heads, step_costs
+    from models.loader import corpus_for, heads_for, load_backbone, resolve, resolve_heads, step_costs
 
     decode = settings(args)
     auto = args.tree in (None, AUTO)
@@ -119,14 +120,16 @@ def setup(args: argparse.Namespace, kinds: tuple[str, ...] | None, fixed: tuple[
                 file=sys.stderr,
             )
     device = backbone.model.device
+    corpus = corpus_for(backbone) if any(k in RETRIEVAL_DRAFTERS for k in kinds_all) else None
 
     def fixed_drafter(kind: str, p):
-        return make_drafter(kind, heads, p.tree.to(device), f"Tree '{p.name}'", p.lookup_branches, p.lookup_length)
+        tree = p.tree.to(device)
+        return make_drafter(kind, heads, tree, f"Tree '{p.name}'", p.lookup_branches, p.lookup_length, corpus)
 
     costs = None  # the machine's step-cost curve (the caller measures it when `needed`, at an idle moment)
     if auto and kinds:
         costs = step_costs(backbone, heads if any(k in HEAD_DRAFTERS for k in kinds) else None)
-        drafters = {k: auto_drafter(k, heads, costs.curve, preset, trained) for k in kinds}
+        drafters = {k: auto_drafter(k, heads, costs.curve, preset, trained, corpus) for k in kinds}
     else:
         drafters = {k: fixed_drafter(k, preset) for k in kinds}
     drafters |= {f: fixed_drafter(f.partition("@")[0], p) for f, p in fixed_presets.items()}

@@ -1,5 +1,6 @@
 """The policy-driven drafter: each step's tree as the speculation policy (`policy`) chooses it,
-from the heads' top candidates and the continuations the lookups find."""
+from the heads' top candidates and the continuations the lookups find (the context's own text,
+and with a corpus, the model's past replies)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,20 @@ import torch
 from torch import Tensor
 
 from core.lookup import NgramIndex, node_count
+from core.retrieval import RETRIEVAL_LENGTH, Corpus
 from core.step import Draft
-from core.tree import CONTEXT, HEAD_DRAFTERS, LOOKUP_DRAFTERS, Preset, TreeBuffers, build_tree, graft
-from core.tune.policy import RANKS, Choice, CostCurve, Policy, prior_accuracy
+from core.tree import (
+    CONTEXT,
+    HEAD_DRAFTERS,
+    LOOKUP_DRAFTERS,
+    RETRIEVAL,
+    RETRIEVAL_DRAFTERS,
+    Preset,
+    TreeBuffers,
+    build_tree,
+    graft,
+)
+from core.tune.policy import CONTEXT_DEPTH, CONTEXT_KEY, RANKS, Choice, CostCurve, Policy, prior_accuracy
 
 TREES = 256  # tree buffers an AutoDrafter keeps built (each step's tree may differ)
 
@@ -20,15 +32,24 @@ class AutoDrafter:
     """A drafter whose tree the policy chooses each step, from the heads' top candidates and the
     context's continuations; `observe` feeds each step's outcome back to the policy."""
 
-    def __init__(self, heads, policy: Policy, branches: int = 2, length: int = 4, max_ngram: int = 4) -> None:
+    def __init__(
+        self,
+        heads,
+        policy: Policy,
+        branches: int = 2,
+        length: int = 4,
+        max_ngram: int = 4,
+        corpus: Corpus | None = None,
+    ) -> None:
         self.heads, self.policy = heads, policy
         self.ranks = min(RANKS, getattr(heads, "vocab_size", RANKS))  # a tiny vocabulary has fewer candidates
         policy.accuracy[:, self.ranks :] = 0
         self.branches, self.length = branches, length
         self.index = NgramIndex(max_ngram)
+        self.corpus = corpus if policy.use_retrieval else None
         self._trees: dict[tuple, TreeBuffers] = {}
         self._length = self._next_length = -1  # the history's length at the last step, and after it
-        self._last: tuple[Choice, Tensor | None, Tensor | None, list[list[int]]] | None = None
+        self._last: tuple | None = None  # (choice, candidates, probs, found, retrieved, evidence) of the step
 
     def propose(self, hidden: Tensor, root: Tensor, history: Sequence[int] = ()) -> Draft:
         if len(history) != self._next_length:  # not the continuation of the last step: a new reply
@@ -38,8 +59,19 @@ class AutoDrafter:
         if self.policy.use_lookup and len(history) > 1:
             self.index.sync(history)
             found = self.index.continuations(self.branches, self.length)
-        lookup_nodes = [node_count([c[:k] for c in found]) for k in range(1, max(map(len, found), default=0) + 1)]
-        choice = self.policy.choose(lookup_nodes)
+        retrieved, evidence = [], 0
+        if self.corpus is not None and len(history) > 1:
+            retrieved, evidence = self.corpus.continuations(history, self.branches, RETRIEVAL_LENGTH)
+        # offer the lookup expected to match further (the context on a tie: it is this reply's own text)
+        lookup, offered = CONTEXT_KEY, found
+        if retrieved and (
+            not found
+            or self.policy.reach(("retrieval", evidence), CONTEXT_DEPTH) > self.policy.reach(CONTEXT_KEY, CONTEXT_DEPTH)
+        ):
+            lookup, offered = ("retrieval", evidence), retrieved
+        most = max(map(len, offered), default=0)
+        lookup_nodes = [node_count([c[:k] for c in offered]) for k in range(1, most + 1)]
+        choice = self.policy.choose(lookup_nodes, lookup)
         candidates = probs = None
         tokens, tree = [int(root)], self._tree(())
         if choice.drafted:
@@ -47,15 +79,16 @@ class AutoDrafter:
                 top, p = self.heads.top(hidden, self.policy.accuracy.shape[0], self.ranks)
             candidates = torch.nn.functional.pad(top.cpu(), (0, RANKS - self.ranks), value=-1)
             probs = torch.nn.functional.pad(p.float().cpu(), (0, RANKS - self.ranks), value=-1)
-            choice = self.policy.refine(choice, probs, lookup_nodes)
+            choice = self.policy.refine(choice, probs, lookup_nodes, lookup)
             tree = self._tree(choice.paths)
             index = (tree.depth[1:] - 1) * RANKS + tree.rank[1:]  # into the flattened (heads, RANKS) table
             tokens += candidates.flatten()[index].tolist()
         sources: tuple[int, ...] = ()
-        if choice.lookup and found:
-            tokens, tree, merged = graft(tree, tokens, [c[: choice.lookup] for c in found], CONTEXT)
+        if choice.lookup and offered:
+            source = RETRIEVAL if lookup[0] == "retrieval" else CONTEXT
+            tokens, tree, merged = graft(tree, tokens, [c[: choice.lookup] for c in offered], source)
             sources = tuple(merged)
-        self._last = (choice, candidates, probs, found)
+        self._last = (choice, candidates, probs, found, retrieved, evidence)
         device = root.device
         return Draft(torch.tensor(tokens, device=device), tree if device.type == "cpu" else tree.to(device), sources)
 
@@ -71,8 +104,8 @@ class AutoDrafter:
         """`emitted`: the step's new tokens (accepted drafts, then the backbone's own)."""
         self._next_length = self._length + len(emitted)
         if self._last is not None:
-            choice, candidates, probs, found = self._last
-            self.policy.observe(choice, candidates, emitted, found, seconds, probs)
+            choice, candidates, probs, found, retrieved, evidence = self._last
+            self.policy.observe(choice, candidates, emitted, found, seconds, probs, retrieved, evidence)
             self._last = None
 
     @property
@@ -81,15 +114,22 @@ class AutoDrafter:
 
 
 def auto_drafter(
-    kind: str, heads, curve: Callable[[], CostCurve | None], preset: Preset, trained: bool = True
+    kind: str,
+    heads,
+    curve: Callable[[], CostCurve | None],
+    preset: Preset,
+    trained: bool = True,
+    corpus: Corpus | None = None,
 ) -> AutoDrafter:
     """The policy-driven drafter for `kind` ("medusa": heads only, "lookup": context only,
-    "hybrid": both), its heads' prior from `preset`'s calibration (untrained heads start near 0)."""
+    "retrieval": the model's past replies in `corpus` only, "hybrid": all three), its heads' prior
+    from `preset`'s calibration (untrained heads start near 0)."""
     use_heads = kind in HEAD_DRAFTERS and heads is not None
     prior = None
     if use_heads:
         prior = prior_accuracy(heads.num_heads, preset.top1, preset.top10) if trained else None
         prior = prior if prior is not None else prior_accuracy(heads.num_heads, [0.02] * heads.num_heads)
     reliability = preset.reliability if use_heads and trained else ()
-    policy = Policy(curve, prior, use_heads, use_lookup=kind in LOOKUP_DRAFTERS, reliability=reliability)
-    return AutoDrafter(heads, policy, preset.lookup_branches, preset.lookup_length)
+    use_retrieval = kind in RETRIEVAL_DRAFTERS and corpus is not None and len(corpus) > 0
+    policy = Policy(curve, prior, use_heads, kind in LOOKUP_DRAFTERS, reliability, use_retrieval)
+    return AutoDrafter(heads, policy, preset.lookup_branches, preset.lookup_length, corpus=corpus)

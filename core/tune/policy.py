@@ -12,9 +12,13 @@ prices each option, plain decoding included, and takes the fastest; after it
   (k + 1 ahead), seeded from the calibration; the best tree of every budget is the greedy
   tree of §3.3.3 on those estimates, and its expected accepted tokens the sum of its paths'
   probabilities (the independence estimate `calibrate` uses offline);
-- context: how far the lookup's best continuation matches, as the chance that its k-th token
+- lookups: how far a lookup's best continuation matches, as the chance that its k-th token
   is right given the ones before were (a continuation cut to k tokens costs fewer nodes, and a
-  step of the cost staircase may take a cut one where it would not take the whole);
+  step of the cost staircase may take a cut one where it would not take the whole), kept apart
+  for the context (this reply's own text) and for retrieval from past replies by how strongly
+  the corpus backs the continuation (`core.retrieval.evidence`: a phrase that always goes on
+  alike is right far more often than one that goes on many ways); each step offers the lookup
+  expected to match further;
 - cost: the curve's step time by node count, scaled by how plain and tree steps actually ran
   (two scales: a curve measured while something else ran is wrong in shape, not only in size).
 
@@ -38,6 +42,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from core.lookup import common_prefix
 from core.tune.calibrate import BINS, bin_middles, greedy_order, interpolate, probability_bins
 
 MAX_BUDGET = 32  # head nodes the policy may draft (the root not counted)
@@ -52,6 +57,10 @@ CONTEXT_PRIOR = 0.5  # chance that a lookup continuation's next token matches, g
 # before one was checked (about one matched token in all; then learnt from every step that finds
 # one, drafted or not): a copy task pays from its first steps
 CONTEXT_DEPTH = 16  # continuation tokens whose match chance is tracked (longer ones are cut there)
+# before one was checked, the same for retrieval by the corpus's evidence class (measured on held-out
+# replies of the embedded model: first-token hits .04 / .15–.24 / .25–.28 / .32–.49 / .68)
+RETRIEVAL_PRIOR = (0.04, 0.2, 0.25, 0.35, 0.65)
+CONTEXT_KEY = ("context", 0)  # the context lookup's key among the lookups' match chances
 MARGIN = 1.03  # a tree must be expected this much faster than plain decoding to be chosen
 RANKS = 10  # candidates per head the policy reads
 TABULATED = 2 * MAX_BUDGET + 1  # node counts whose step time is kept in a table (more: interpolated)
@@ -79,13 +88,14 @@ PRIOR_CURVE = CostCurve({1: 1.0, 64: 13.6}, 0.2)
 @dataclass(frozen=True)
 class Choice:
     budget: int  # head nodes drafted (0: none)
-    lookup: int  # context continuations grafted under the root, cut to this many tokens (0: none)
+    lookup: int  # lookup continuations grafted under the root, cut to this many tokens (0: none)
     nodes: int  # the verify forward's node count, root included
     expected_tokens: float  # tokens this step is expected to return
     expected_ms: float  # what it is expected to cost
     reason: str  # why, in a few words (shown in the step inspector)
     drafted: bool = False  # the heads ran (their tree may still be empty)
     paths: tuple[tuple[int, ...], ...] | None = None  # this step's own head tree (None: the running one's)
+    source: str = "context"  # which lookup the continuations came from ("context" or "retrieval")
 
     @property
     def plain(self) -> bool:
@@ -142,16 +152,17 @@ class Policy:
         use_heads: bool = True,
         use_lookup: bool = True,
         reliability: Sequence[Sequence[float]] = (),
+        use_retrieval: bool = False,
     ) -> None:
         self.curve = curve
         self.accuracy = accuracy.clone() if accuracy is not None else torch.zeros(0, RANKS)
         self.use_heads = use_heads and self.accuracy.shape[0] > 0
-        self.use_lookup = use_lookup
-        # (CONTEXT_DEPTH,) chance that the lookup's best continuation matches its k-th token, given
-        # it matched the ones before (a discrete hazard: a step that shows only the first tokens
-        # says nothing of later ones)
-        self.context_hazard = torch.full((CONTEXT_DEPTH,), CONTEXT_PRIOR)
-        self._reach: list[float] = []  # cumulative expected matched tokens by cut length (cached)
+        self.use_lookup, self.use_retrieval = use_lookup, use_retrieval
+        # per lookup key: (CONTEXT_DEPTH,) chance that its best continuation matches its k-th token,
+        # given it matched the ones before (a discrete hazard: a step that shows only the first
+        # tokens says nothing of later ones)
+        self.hazards: dict[tuple[str, int], Tensor] = {}
+        self._reach: dict[tuple[str, int], list[float]] = {}  # expected matched tokens by cut length (cached)
         self.scales = {False: 1.0, True: 1.0}  # observed ÷ the curve's step time, for plain and tree steps
         self._curve: CostCurve | None = None
         self._ms: list[float] = []
@@ -159,7 +170,7 @@ class Policy:
         self._seen = {False: False, True: False}  # whether a plain / tree step was timed against this curve
         self.since_heads = 0  # steps since the heads last drafted
         self._promising = False  # the last exploring step beat a plain one: explore again at once
-        self.realized = {"heads": Realized(), "context": Realized()}  # how such steps really ran lately
+        self.realized = {k: Realized() for k in ("heads", "context", "retrieval")}  # how such steps ran lately
         self._order: tuple[list[tuple[int, ...]], list[float]] | None = None
         # (heads, BINS) how often a candidate whose probability fell in the bin was right
         self.calibration = prior_reliability(max(self.accuracy.shape[0], 1), reliability)
@@ -173,20 +184,20 @@ class Policy:
             self._order = greedy_order(self.accuracy, MAX_BUDGET)
         return self._order
 
-    def choose(self, lookup_nodes: Sequence[int] = ()) -> Choice:
-        """The option with the most tokens per ms: plain, heads of some budget, the lookup's
-        continuations cut to some length (`lookup_nodes[k - 1]`: their nodes when cut to k tokens;
-        empty: it found nothing), or both."""
+    def choose(self, lookup_nodes: Sequence[int] = (), lookup: tuple[str, int] = CONTEXT_KEY) -> Choice:
+        """The option with the most tokens per ms: plain, heads of some budget, the continuations
+        of the lookup keyed `lookup` cut to some length (`lookup_nodes[k - 1]`: their nodes when cut
+        to k tokens; empty: it found nothing), or both."""
         curve = self._current()
         plain_ms = self.plain_ms()
         plain = Choice(0, 0, 1, 1.0, plain_ms, "plain: no tree is expected to pay for its cost")
         _, gain = self.order() if self.use_heads else ((), [])
-        heads = self._fastest(gain, lookup_nodes, curve.heads_ms, heads_only=True) if gain else None
+        heads = self._fastest(gain, lookup_nodes, curve.heads_ms, lookup, heads_only=True) if gain else None
         if heads and self._pays("heads", heads, RUN_HEADS / plain_ms, plain_ms):
             return heads  # the heads run; their own probabilities then pick the step's tree (refine)
-        context = self._fastest([], lookup_nodes, 0.0) if self.use_lookup and lookup_nodes else None
-        if context and self._pays("context", context, MARGIN / plain_ms, plain_ms):
-            return context
+        copy = self._fastest([], lookup_nodes, 0.0, lookup) if lookup_nodes and self._uses(lookup) else None
+        if copy and self._pays(lookup[0], copy, MARGIN / plain_ms, plain_ms):
+            return copy
         every = max(EXPLORE_EVERY, self.heads_ms() / (EXPLORE_SHARE * plain_ms))
         if heads and (self.since_heads >= every or self._promising):  # re-measure the heads once in a while
             return replace(heads, reason=f"explore: {heads.reason}, to re-measure the heads")
@@ -196,23 +207,41 @@ class Policy:
         """A new reply: what the lookup matched and how its steps ran belong to the text just left
         (a poem's repeated lines say nothing of an email); what was learned of the heads and the
         machine stays."""
-        self.context_hazard.fill_(CONTEXT_PRIOR)
-        self._reach = []
+        self.hazards.pop(CONTEXT_KEY, None)
+        self._reach.pop(CONTEXT_KEY, None)
         self.realized["context"] = Realized()
+
+    def _uses(self, lookup: tuple[str, int]) -> bool:
+        return self.use_retrieval if lookup[0] == "retrieval" else self.use_lookup
+
+    def hazard(self, lookup: tuple[str, int]) -> Tensor:
+        """(CONTEXT_DEPTH,) match chances of the lookup keyed `lookup` (its prior until observed)."""
+        if lookup not in self.hazards:
+            prior = RETRIEVAL_PRIOR[lookup[1]] if lookup[0] == "retrieval" else CONTEXT_PRIOR
+            self.hazards[lookup] = torch.full((CONTEXT_DEPTH,), prior)
+        return self.hazards[lookup]
+
+    @property
+    def context_hazard(self) -> Tensor:
+        return self.hazard(CONTEXT_KEY)
 
     @property
     def context_match(self) -> float:
-        """Tokens the lookup's best continuation is expected to match (uncut)."""
-        return self.context_reach(CONTEXT_DEPTH)
+        """Tokens the context lookup's best continuation is expected to match (uncut)."""
+        return self.reach(CONTEXT_KEY, CONTEXT_DEPTH)
 
     def context_reach(self, length: int) -> float:
-        """Expected matched tokens of the best continuation cut to `length`: Σₖ P(match ≥ k)."""
-        if not self._reach:
-            self._reach = [0.0, *torch.cumprod(self.context_hazard, 0).cumsum(0).tolist()]
-        return self._reach[min(length, CONTEXT_DEPTH)]
+        return self.reach(CONTEXT_KEY, length)
+
+    def reach(self, lookup: tuple[str, int], length: int) -> float:
+        """Expected matched tokens of the lookup's best continuation cut to `length`: Σₖ P(match ≥ k)."""
+        if lookup not in self._reach:
+            self._reach[lookup] = [0.0, *torch.cumprod(self.hazard(lookup), 0).cumsum(0).tolist()]
+        return self._reach[lookup][min(length, CONTEXT_DEPTH)]
 
     def _pays(self, kind: str, option: Choice, expected: float, plain_ms: float) -> bool:
-        """Whether steps of `kind` ("heads": the heads run; "context": lookup only) beat plain ones:
+        """Whether steps of `kind` ("heads": the heads run; "context", "retrieval": that lookup only)
+        beat plain ones:
         as `option` is estimated against the rate `expected` (tokens per ms), and as they really ran
         lately once there are enough of them. The heads' estimate is a model (calibrated
         probabilities) that may be wrong either way, so how their steps ran overrules it; the
@@ -232,14 +261,16 @@ class Policy:
     def heads_ms(self) -> float:
         return self._current().heads_ms * self.scales[True]
 
-    def refine(self, choice: Choice, probs: Tensor, lookup_nodes: Sequence[int] = ()) -> Choice:
+    def refine(
+        self, choice: Choice, probs: Tensor, lookup_nodes: Sequence[int] = (), lookup: tuple[str, int] = CONTEXT_KEY
+    ) -> Choice:
         """This step's tree from the heads' own top-RANKS probabilities (heads, RANKS), once they ran
         for `choice`: the budget (0 included) with the most expected tokens per ms, the heads'
         cost being paid already."""
         values = self.calibrated(probs)
         values[(values < self._floor) | (probs < 0)] = 0  # never worth a node (or padding): fewer paths to rank
         paths, gain = greedy_order(values, MAX_BUDGET)
-        best = self._fastest(gain, lookup_nodes, self._current().heads_ms, sunk=True)
+        best = self._fastest(gain, lookup_nodes, self._current().heads_ms, lookup, sunk=True)
         reason = best.reason if best.nodes > 1 else "plain: the heads are unsure this step"
         explore = "explore: " if choice.reason.startswith("explore") else ""
         return replace(best, reason=explore + reason, drafted=True, paths=tuple(paths[: best.budget]))
@@ -249,6 +280,7 @@ class Policy:
         gain: Sequence[float],
         lookup_nodes: Sequence[int],
         heads_ms: float,
+        lookup: tuple[str, int] = CONTEXT_KEY,
         heads_only: bool = False,
         sunk: bool = False,
     ) -> Choice:
@@ -257,10 +289,10 @@ class Policy:
         both; `heads_only`: at least one head node; `sunk`: the heads ran already (their cost in
         every option, plain included). Every cut is priced, as the cost curve is a staircase."""
         ms_at, curve = self._ms, self._curve
-        cuts = range(len(lookup_nodes) + 1) if self.use_lookup else range(1)
+        cuts = range(len(lookup_nodes) + 1) if self._uses(lookup) else range(1)
         best, best_rate = (0, 0, 1, 0.0), -1.0  # (budget, cut, nodes, ms)
         for cut in cuts:
-            extra, context = (lookup_nodes[cut - 1], self.context_reach(cut)) if cut else (0, 0.0)
+            extra, context = (lookup_nodes[cut - 1], self.reach(lookup, cut)) if cut else (0, 0.0)
             for budget in range(0 if sunk or (cut and not heads_only) else 1, len(gain) + 1):
                 nodes = 1 + budget + extra
                 ms = (ms_at[nodes] if nodes < len(ms_at) else curve.at(nodes)) + (heads_ms if budget or sunk else 0)
@@ -268,9 +300,10 @@ class Policy:
                 if rate > best_rate:
                     best, best_rate = (budget, cut, nodes, ms), rate
         budget, cut, nodes, ms = best
-        tokens = 1 + max(gain[budget - 1] if budget else 0.0, self.context_reach(cut) if cut else 0.0)
-        parts = [f"{budget} head nodes"] * bool(budget) + [f"{nodes - 1 - budget} context nodes"] * bool(cut)
-        return Choice(budget, cut, nodes, tokens, ms * self.scales[True], " + ".join(parts), budget > 0 or sunk)
+        tokens = 1 + max(gain[budget - 1] if budget else 0.0, self.reach(lookup, cut) if cut else 0.0)
+        parts = [f"{budget} head nodes"] * bool(budget) + [f"{nodes - 1 - budget} {lookup[0]} nodes"] * bool(cut)
+        ms *= self.scales[True]
+        return Choice(budget, cut, nodes, tokens, ms, " + ".join(parts), budget > 0 or sunk, source=lookup[0])
 
     def calibrated(self, probs: Tensor) -> Tensor:
         """(heads, RANKS) probabilities → how often such candidates were right, per head."""
@@ -289,11 +322,12 @@ class Policy:
 
     def observe(
         self, choice: Choice, candidates: Tensor | None, truth: Sequence[int], found: Sequence[Sequence[int]],
-        seconds: float, probs: Tensor | None = None,
+        seconds: float, probs: Tensor | None = None, retrieved: Sequence[Sequence[int]] = (), evidence: int = 0,
     ) -> None:  # fmt: skip
         """After a step: `candidates` (heads, RANKS) the heads' tokens if they drafted and `probs`
         their probabilities, `truth` the tokens the step emitted (what came after the root, in
-        order), `found` the lookup's continuations, `seconds` what the step took."""
+        order), `found` the context lookup's continuations and `retrieved` the retrieval's (of
+        evidence class `evidence`), drafted or not, `seconds` what the step took."""
         if candidates is not None:
             self.since_heads = 0
             known = min(len(truth), candidates.shape[0])  # head k is checked only if the path got that far
@@ -306,9 +340,11 @@ class Policy:
         else:
             self.since_heads += 1
         if found:
-            self._observe_context(found, truth)
+            self._observe_lookup(CONTEXT_KEY, found, truth)
+        if retrieved:
+            self._observe_lookup(("retrieval", evidence), retrieved, truth)
         if choice.drafted or not choice.plain:
-            self.realized["heads" if choice.drafted else "context"].add(len(truth), 1000 * seconds)
+            self.realized["heads" if choice.drafted else choice.source].add(len(truth), 1000 * seconds)
         plain_ms = self.plain_ms()
         exploring = choice.reason.startswith("explore")
         # promising: a draft was accepted and the step, heads and all, beat a plain one
@@ -323,16 +359,17 @@ class Policy:
                 ratio = min(max(ratio, self.scales[tree] / 3), self.scales[tree] * 3)
                 self.scales[tree] += COST_RATE * (ratio - self.scales[tree])
 
-    def _observe_context(self, found: Sequence[Sequence[int]], truth: Sequence[int]) -> None:
+    def _observe_lookup(self, lookup: tuple[str, int], found: Sequence[Sequence[int]], truth: Sequence[int]) -> None:
         """Move the match chance of each continuation token this step could check: the best
         continuation matched `best` tokens; the one after them (if the step showed it) did not."""
-        best = max(_common_prefix(c, truth) for c in found)
+        best = max(common_prefix(c, truth) for c in found)
         shown = min(len(truth), max(map(len, found)), CONTEXT_DEPTH)  # tokens this step could check
         checked = min(best + 1, shown)
         if checked:
             hit = (torch.arange(checked) < best).float()
-            self.context_hazard[:checked] += CONTEXT_RATE * (hit - self.context_hazard[:checked])
-            self._reach = []
+            hazard = self.hazard(lookup)
+            hazard[:checked] += CONTEXT_RATE * (hit - hazard[:checked])
+            self._reach.pop(lookup, None)
 
     def _calibrate(self, probs: Tensor, match: Tensor) -> None:
         """Move each bin toward how often this step's checked candidates in it were right (n
@@ -345,10 +382,3 @@ class Policy:
         seen = count > 0
         weight = 1 - (1 - CALIBRATION_RATE) ** count[seen]
         flat[seen] += weight * (total[seen] / count[seen] - flat[seen])
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
