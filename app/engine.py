@@ -75,9 +75,13 @@ class Loaded:
 
 
 class Engine:
+    """`past_replies`: the assistant texts of the user's saved chats, which retrieval drafting
+    also copies from (with every reply finished here); None: neither (the user opted out)."""
+
     def __init__(self, model: str, dtype: str = "auto", device: str = "auto", quantization: str = "auto",
-                 heads: str | None = None) -> None:  # fmt: skip
+                 heads: str | None = None, past_replies: Callable[[], list[str]] | None = None) -> None:  # fmt: skip
         self.options = {"dtype": dtype, "device": device, "quantization": quantization}
+        self.past_replies = past_replies
         self.heads_arg = heads
         self.model_id = model
         self.loaded: Loaded | None = None
@@ -113,8 +117,15 @@ class Engine:
         loaded = self.compute.call(build)
         self.loaded, self.model_id, self.error = loaded, model, None
         self._drafters.clear()
+        if loaded.corpus is not None and self.past_replies is not None:  # at an idle moment, like the costs
+            self.compute.submit(lambda: self._learn(loaded, self.past_replies()))
         if loaded.costs.needed:  # one tree size per job, so a reply waits for one size at most
             self._measure(loaded.costs.steps())
+
+    def _learn(self, loaded: Loaded, texts: list[str]) -> None:
+        """Index the user's own replies for retrieval drafting."""
+        encode = loaded.backbone.tokenizer.encode
+        loaded.corpus.add([encode(t, add_special_tokens=False) for t in texts if t.strip()])
 
     def _measure(self, steps: Iterator[None]) -> None:
         def one() -> None:
@@ -215,15 +226,21 @@ class Engine:
     ) -> Iterator[StepEvent | Finished]:
         """The event stream of one reply to `prompt_ids`, run on the compute thread; `drafter` None
         is plain decoding. `seed` None: a fresh seed from the OS, without touching torch's global generator."""
-        b = self.require().backbone
+        loaded = self.require()
+        b = loaded.backbone
         generator = torch.Generator(b.model.device).manual_seed(secrets.randbits(63) if seed is None else seed)
+        corpus = loaded.corpus if self.past_replies is not None else None
 
         def stopped() -> bool:
             return self.compute.closing or should_stop()  # closing ends a reply at its next step
 
-        return self.compute.stream(
-            lambda: stream(b.model, prompt_ids, settings, drafter, b.tokenizer, b.eos_ids, generator, stopped)
-        )
+        def run() -> Iterator[StepEvent | Finished]:
+            for event in stream(b.model, prompt_ids, settings, drafter, b.tokenizer, b.eos_ids, generator, stopped):
+                if isinstance(event, Finished) and corpus is not None and event.finish_reason != "cancelled":
+                    corpus.add([list(event.token_ids)])  # later replies may draft from this one
+                yield event
+
+        return self.compute.stream(run)
 
     def close(self, timeout: float | None = None) -> bool:
         """End the work in progress (a reply at its next step; loading runs to its end) and drop

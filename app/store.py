@@ -348,6 +348,12 @@ def delete_chat(chat_id: str) -> None:
     chat_path(chat_id).unlink(missing_ok=True)
 
 
+def saved_replies() -> list[str]:
+    """The assistant's texts in every readable saved chat (for retrieval drafting; unreadable
+    chats are skipped here and reported where the chat list is shown)."""
+    return [turn.assistant for chat in list_chats()[0] for turn in chat.turns if turn.finished and turn.assistant]
+
+
 def load_settings() -> dict:
     """Saved settings, or {} when there are none or they are unreadable (the file is kept)."""
     try:

@@ -185,3 +185,30 @@ def test_shipped_corpus_loads_for_the_embedded_model():
     corpus = load_corpus(file, vocab_size=49152)
     assert len(corpus) > 100_000 and corpus.base.documents > 1000
     assert torch.tensor(corpus.base.ids).max() < 49152
+
+
+@pytest.mark.embedded
+def test_engine_drafts_from_saved_chats_and_its_own_replies_unless_opted_out():
+    from app.engine import Engine, ReplyRequest
+    from core.generate import Finished
+    from models.embedded import EMBEDDED_ID
+
+    saved = "Zebra lanterns hum quietly over the violet harbour."
+    engines = {}
+    for learn in (True, False):
+        engine = Engine(EMBEDDED_ID, dtype="float32", past_replies=(lambda: [saved, " "]) if learn else None)
+        engine.load(EMBEDDED_ID)
+        engine.compute.call(lambda: None)  # the saved chats are indexed at the first idle moment
+        engines[learn] = engine
+    corpus = engines[True].loaded.corpus
+    saved_ids = engines[True].loaded.backbone.tokenizer.encode(saved, add_special_tokens=False)
+    assert corpus.own == [saved_ids]  # the blank reply skipped
+    assert corpus.continuations(saved_ids[:3], 1, 4)[0] == [saved_ids[3:7]]
+    assert not engines[False].loaded.corpus.own
+    for learn, engine in engines.items():
+        request = ReplyRequest([{"role": "user", "content": "Name three colors."}], DecodeSettings(max_new_tokens=12))
+        *_, done = engine.reply(request).events
+        assert isinstance(done, Finished)
+        own = engine.loaded.corpus.own
+        assert (own[-1] == list(done.token_ids)) if learn else not own  # this session's reply joins the index
+        engine.close()

@@ -51,10 +51,10 @@ def run(args: argparse.Namespace) -> int:
     with tqdm(total=len(prompts), desc="answering prompts", unit="prompt") as bar:
         bar.update(train.done_records(transcripts))
         progress = lambda done, total: bar.update(done - bar.n)  # noqa: E731
-        train.distill(
+        answered = train.distill(
             backbone.model, encoded, transcripts, backbone.eos_ids, pad, args.batch_size, args.max_new_tokens, progress
         )
-    answered = time.perf_counter() - started
+    answering = time.perf_counter() - started
     records = train.read_records(transcripts)
 
     kept, held = replies.split(records, args.held_out, args.seed)
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         "model": args.model, "kind": args.kind, "prompts": len(prompts), "replies": len(records),
         "tokens": len(full), "index_bytes": full.nbytes, "index_seconds": round(seconds, 3),
         "max_new_tokens": args.max_new_tokens, "dtype": str(backbone.model.dtype).removeprefix("torch."),
-        "answering_seconds": round(answered), "held_out": result,
+        "answered_this_run": answered, "answering_seconds": round(answering), "held_out": result,
     }  # fmt: skip
     out.with_suffix(".json").write_text(json.dumps(card, indent=1) + "\n", encoding="utf-8")
     out.with_suffix(".md").write_text(_card(card), encoding="utf-8")
@@ -90,8 +90,9 @@ def _card(card: dict) -> str:
     return (
         f"# Reply corpus for {card['model']} (retrieval drafting)\n\n"
         f"The model's own greedy replies ({card['dtype']}, up to {card['max_new_tokens']} new tokens) to "
-        f"{card['prompts']} seed prompts, made by `medusa-chat train-drafter --kind retrieval` in "
-        f"{card['answering_seconds']} s: {card['replies']} replies, {card['tokens']} tokens.\n\n"
+        f"{card['prompts']} seed prompts, made by `medusa-chat train-drafter --kind retrieval`: "
+        f"{card['replies']} replies, {card['tokens']} tokens ({card['answered_this_run']} answered in the last run, "
+        f"in {card['answering_seconds']} s; a run resumes where an interrupted one stopped).\n\n"
         f"- Index: a suffix array, built at load in {card['index_seconds']:.2f} s on the machine that made it; "
         f"{card['index_bytes'] / 1e6:.1f} MB in memory.\n"
         f"- Lookup: {held['lookup_ms']:.3f} ms a step (the longest suffix of the history found, then the most "

@@ -25,6 +25,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=None, help="port (default: 7860 or the next free one)")
     p.add_argument("--no-window", action="store_true", help="open a browser tab instead of a window of its own")
     p.add_argument("--no-browser", action="store_true", help="only serve the chat: no window, no browser tab")
+    p.add_argument(
+        "--no-past-replies",
+        action="store_true",
+        help="draft only from the model's shipped replies, not from your saved chats and this session's replies",
+    )
     model_options(p)
 
 
@@ -44,9 +49,11 @@ def _free_port(host: str, start: int = 7860) -> int:
 def run(args: argparse.Namespace) -> int:
     from app.engine import Engine
     from app.server import start
+    from app.store import saved_replies
 
     port = args.port or _free_port(args.host)
-    engine = Engine(args.model, args.dtype, args.device, args.quantization, args.heads)
+    past = None if args.no_past_replies else saved_replies
+    engine = Engine(args.model, args.dtype, args.device, args.quantization, args.heads, past)
     engine.start()
     server = start(engine, args.host, port)
     url = server.url

@@ -58,8 +58,8 @@ CONTEXT_PRIOR = 0.5  # chance that a lookup continuation's next token matches, g
 # one, drafted or not): a copy task pays from its first steps
 CONTEXT_DEPTH = 16  # continuation tokens whose match chance is tracked (longer ones are cut there)
 # before one was checked, the same for retrieval by the corpus's evidence class (measured on held-out
-# replies of the embedded model: first-token hits .04 / .15–.24 / .25–.28 / .32–.49 / .68)
-RETRIEVAL_PRIOR = (0.04, 0.2, 0.25, 0.35, 0.65)
+# replies of the embedded model: first-token hits .08 / .22 / .33 / .35 / .70, `assets/retrieval/`)
+RETRIEVAL_PRIOR = (0.08, 0.2, 0.3, 0.35, 0.7)
 CONTEXT_KEY = ("context", 0)  # the context lookup's key among the lookups' match chances
 MARGIN = 1.03  # a tree must be expected this much faster than plain decoding to be chosen
 RANKS = 10  # candidates per head the policy reads
