@@ -15,6 +15,7 @@ from core.tree import load_preset
 from core.tune import costs
 from core.tune.auto import AutoDrafter, auto_drafter
 from core.tune.policy import (
+    CONTEXT_KEY,
     CONTEXT_PRIOR,
     EXPLORE_EVERY,
     RANKS,
@@ -325,4 +326,4 @@ def test_a_new_reply_forgets_what_the_lookup_matched_but_not_the_heads():
     drafter.propose(hidden, torch.tensor(5), [*history, 4, 1, 2, 3, 5])  # the same reply goes on
     assert p.context_match == matched
     drafter.propose(hidden, root, [9, 8, 7])  # another prompt: a new reply
-    assert p.context_match == prior and p.realized["context"].steps == 0
+    assert p.context_match == prior and CONTEXT_KEY not in p.realized

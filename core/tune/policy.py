@@ -95,11 +95,16 @@ class Choice:
     reason: str  # why, in a few words (shown in the step inspector)
     drafted: bool = False  # the heads ran (their tree may still be empty)
     paths: tuple[tuple[int, ...], ...] | None = None  # this step's own head tree (None: the running one's)
-    source: str = "context"  # which lookup the continuations came from ("context" or "retrieval")
+    lookup_key: tuple[str, int] = ("context", 0)  # which lookup the continuations came from (see CONTEXT_KEY)
 
     @property
     def plain(self) -> bool:
         return self.nodes == 1
+
+    @property
+    def source(self) -> str:
+        """Where the grafted continuations came from: "context" or "retrieval"."""
+        return self.lookup_key[0]
 
 
 @dataclass
@@ -170,7 +175,8 @@ class Policy:
         self._seen = {False: False, True: False}  # whether a plain / tree step was timed against this curve
         self.since_heads = 0  # steps since the heads last drafted
         self._promising = False  # the last exploring step beat a plain one: explore again at once
-        self.realized = {k: Realized() for k in ("heads", "context", "retrieval")}  # how such steps ran lately
+        # how such steps ran lately: "heads" (the heads ran), and lookup-only steps by lookup key
+        self.realized: dict = {"heads": Realized()}
         self._order: tuple[list[tuple[int, ...]], list[float]] | None = None
         # (heads, BINS) how often a candidate whose probability fell in the bin was right
         self.calibration = prior_reliability(max(self.accuracy.shape[0], 1), reliability)
@@ -196,7 +202,7 @@ class Policy:
         if heads and self._pays("heads", heads, RUN_HEADS / plain_ms, plain_ms):
             return heads  # the heads run; their own probabilities then pick the step's tree (refine)
         copy = self._fastest([], lookup_nodes, 0.0, lookup) if lookup_nodes and self._uses(lookup) else None
-        if copy and self._pays(lookup[0], copy, MARGIN / plain_ms, plain_ms):
+        if copy and self._pays(lookup, copy, MARGIN / plain_ms, plain_ms):
             return copy
         every = max(EXPLORE_EVERY, self.heads_ms() / (EXPLORE_SHARE * plain_ms))
         if heads and (self.since_heads >= every or self._promising):  # re-measure the heads once in a while
@@ -204,12 +210,12 @@ class Policy:
         return plain
 
     def new_reply(self) -> None:
-        """A new reply: what the lookup matched and how its steps ran belong to the text just left
-        (a poem's repeated lines say nothing of an email); what was learned of the heads and the
-        machine stays."""
+        """A new reply: what the context lookup matched and how lookup steps ran belong to the text
+        just left (a poem's repeated lines say nothing of an email); what was learned of the heads,
+        of the retrieval's evidence and of the machine stays."""
         self.hazards.pop(CONTEXT_KEY, None)
         self._reach.pop(CONTEXT_KEY, None)
-        self.realized["context"] = Realized()
+        self.realized = {"heads": self.realized["heads"]}
 
     def _uses(self, lookup: tuple[str, int]) -> bool:
         return self.use_retrieval if lookup[0] == "retrieval" else self.use_lookup
@@ -239,16 +245,15 @@ class Policy:
             self._reach[lookup] = [0.0, *torch.cumprod(self.hazard(lookup), 0).cumsum(0).tolist()]
         return self._reach[lookup][min(length, CONTEXT_DEPTH)]
 
-    def _pays(self, kind: str, option: Choice, expected: float, plain_ms: float) -> bool:
-        """Whether steps of `kind` ("heads": the heads run; "context", "retrieval": that lookup only)
-        beat plain ones:
-        as `option` is estimated against the rate `expected` (tokens per ms), and as they really ran
+    def _pays(self, kind: str | tuple[str, int], option: Choice, expected: float, plain_ms: float) -> bool:
+        """Whether steps of `kind` ("heads": the heads run; a lookup key: that lookup only) beat plain
+        ones: as `option` is estimated against the rate `expected` (tokens per ms), and as they really ran
         lately once there are enough of them. The heads' estimate is a model (calibrated
         probabilities) that may be wrong either way, so how their steps ran overrules it; the
         lookup's is itself a running record of matches, so how its steps ran can only veto it (it
         would otherwise keep a lookup that stopped matching for as long as the record remembers)."""
         estimated = option.expected_tokens / option.expected_ms >= expected
-        real = self.realized[kind]
+        real = self.realized.setdefault(kind, Realized())
         if real.steps < REALIZED_MIN:
             return estimated
         really = real.tokens / real.ms > 1 / plain_ms
@@ -303,7 +308,7 @@ class Policy:
         tokens = 1 + max(gain[budget - 1] if budget else 0.0, self.reach(lookup, cut) if cut else 0.0)
         parts = [f"{budget} head nodes"] * bool(budget) + [f"{nodes - 1 - budget} {lookup[0]} nodes"] * bool(cut)
         ms *= self.scales[True]
-        return Choice(budget, cut, nodes, tokens, ms, " + ".join(parts), budget > 0 or sunk, source=lookup[0])
+        return Choice(budget, cut, nodes, tokens, ms, " + ".join(parts), budget > 0 or sunk, lookup_key=lookup)
 
     def calibrated(self, probs: Tensor) -> Tensor:
         """(heads, RANKS) probabilities → how often such candidates were right, per head."""
@@ -344,7 +349,8 @@ class Policy:
         if retrieved:
             self._observe_lookup(("retrieval", evidence), retrieved, truth)
         if choice.drafted or not choice.plain:
-            self.realized["heads" if choice.drafted else choice.source].add(len(truth), 1000 * seconds)
+            kind = "heads" if choice.drafted else choice.lookup_key
+            self.realized.setdefault(kind, Realized()).add(len(truth), 1000 * seconds)
         plain_ms = self.plain_ms()
         exploring = choice.reason.startswith("explore")
         # promising: a draft was accepted and the step, heads and all, beat a plain one
