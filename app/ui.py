@@ -136,10 +136,11 @@ def build(engine: Engine) -> gr.Blocks:
                         info="Auto prices every tree (plain decoding included) with this machine's measured costs",
                     )  # fmt: skip
                     drafter = gr.Dropdown(
-                        [("The tree's own", ""), ("Heads + context (hybrid)", "hybrid"), ("Medusa heads", "medusa"),
-                         ("Context lookup", "lookup")],
+                        [("The tree's own", ""), ("Heads + context + past replies (hybrid)", "hybrid"),
+                         ("Medusa heads", "medusa"), ("Context lookup", "lookup"), ("Past replies", "retrieval")],
                         value=saved["drafter"], label="Drafter", elem_id="drafter",
-                        info="Where drafts come from: the heads, copies from the conversation, or both in one tree",
+                        info="Where drafts come from: the heads, copies from the conversation or from the model's "
+                        "past replies, or all in one tree",
                     )  # fmt: skip
                     colors = gr.Checkbox(value=saved["colors"], label="Color the tokens of each step", elem_id="colors")
                     system = gr.Textbox(value=saved["system"], label="System prompt", lines=2)
