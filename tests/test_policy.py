@@ -146,6 +146,16 @@ def test_lookup_is_taken_when_it_matches_and_dropped_when_it_does_not():
     assert wasted < 5 * p.plain_ms()  # the failing lookup is cut to its cheapest, then dropped
 
 
+def test_heads_stay_off_where_the_lookup_alone_is_expected_faster():
+    middling = prior_accuracy(4, [0.35, 0.2, 0.1, 0.05], [0.6, 0.4, 0.3, 0.2])
+    heads_ms = CostCurve(MODERATE.step_ms, 2.0)  # drafting costs a fifth of a plain step
+    assert policy(heads_ms, middling).choose().drafted  # with nothing else to draft, the heads pay
+    p = policy(heads_ms, middling)
+    p.hazard(CONTEXT_KEY).fill_(0.9)  # a lookup that keeps matching, as when copying a document
+    choice = p.choose(lookup_nodes=ONE_BRANCH)
+    assert choice.lookup and not choice.drafted
+
+
 # A staircase, as torch's int4 CPU matmul makes: every 4 rows a block, nodes within one nearly free.
 STAIRS = CostCurve({n: 10.0 + 4.0 * ((n - 1) // 4) + 0.1 * n for n in range(1, 42)}, 0.2)
 

@@ -65,7 +65,7 @@ MARGIN = 1.03  # a tree must be expected this much faster than plain decoding to
 RANKS = 10  # candidates per head the policy reads
 TABULATED = 2 * MAX_BUDGET + 1  # node counts whose step time is kept in a table (more: interpolated)
 CALIBRATION_RATE = 0.02  # weight of one checked candidate in its bin's running hit rate
-RUN_HEADS = 0.95  # run the heads while their best tree is expected at least this share of plain's speed
+RUN_HEADS = 0.95  # run the heads while their best tree is expected at least this share of the best other's speed
 
 
 @dataclass(frozen=True)
@@ -199,10 +199,14 @@ class Policy:
         plain = Choice(0, 0, 1, 1.0, plain_ms, "plain: no tree is expected to pay for its cost")
         _, gain = self.order() if self.use_heads else ((), [])
         heads = self._fastest(gain, lookup_nodes, curve.heads_ms, lookup, heads_only=True) if gain else None
-        if heads and self._pays("heads", heads, RUN_HEADS / plain_ms, plain_ms):
-            return heads  # the heads run; their own probabilities then pick the step's tree (refine)
         copy = self._fastest([], lookup_nodes, 0.0, lookup) if lookup_nodes and self._uses(lookup) else None
-        if copy and self._pays(lookup, copy, MARGIN / plain_ms, plain_ms):
+        copy = copy if copy and self._pays(lookup, copy, MARGIN / plain_ms, plain_ms) else None
+        # the heads run while their best tree is expected nearly as fast as the best without them
+        # (their own probabilities then pick the step's tree, in refine, often better than expected)
+        rival = copy.expected_tokens / copy.expected_ms if copy else 1 / plain_ms
+        if heads and self._pays("heads", heads, RUN_HEADS * rival, plain_ms):
+            return heads
+        if copy:
             return copy
         every = max(EXPLORE_EVERY, self.heads_ms() / (EXPLORE_SHARE * plain_ms))
         if heads and (self.since_heads >= every or self._promising):  # re-measure the heads once in a while
@@ -256,8 +260,9 @@ class Policy:
         real = self.realized.setdefault(kind, Realized())
         if real.steps < REALIZED_MIN:
             return estimated
-        really = real.tokens / real.ms > 1 / plain_ms
-        return really if kind == "heads" else really and estimated
+        if kind == "heads":  # as fast as plain steps, and as the rival `expected` stands for
+            return real.tokens / real.ms > max(1 / plain_ms, expected)
+        return real.tokens / real.ms > 1 / plain_ms and estimated
 
     def plain_ms(self) -> float:
         """A plain step's expected ms on the current curve, as plain steps really ran (0 before any curve)."""
