@@ -18,7 +18,18 @@ from typing import NoReturn
 
 import platformdirs
 
-from app.cli import bench, calibrate, catalog, generate, install_desktop, profile, train_drafter, train_heads, ui
+from app.cli import (
+    bench,
+    calibrate,
+    catalog,
+    export,
+    generate,
+    install_desktop,
+    profile,
+    train_drafter,
+    train_heads,
+    ui,
+)  # fmt: skip
 from core.errors import UserError
 
 log = logging.getLogger("medusa-chat")
@@ -26,7 +37,7 @@ log = logging.getLogger("medusa-chat")
 DEFAULT_COMMAND = "ui"
 MODULES = {
     "ui": ui, "generate": generate, "bench": bench, "profile": profile, "train-heads": train_heads,
-    "train-drafter": train_drafter, "calibrate": calibrate, "install-desktop": install_desktop,
+    "train-drafter": train_drafter, "calibrate": calibrate, "export": export, "install-desktop": install_desktop,
 }  # fmt: skip
 COMMANDS = (*MODULES, "models", "download")
 
