@@ -116,17 +116,22 @@ def build_tree(paths: list[list[int]] | tuple[Path_, ...]) -> TreeBuffers:
 
 
 def graft(
-    tree: TreeBuffers, tokens: list[int], branches: list[list[int]], source: int = CONTEXT
+    tree: TreeBuffers,
+    tokens: list[int],
+    branches: list[list[int]],
+    source: int = CONTEXT,
+    base_sources: list[int] | None = None,
 ) -> tuple[list[int], TreeBuffers, list[int]]:
     """`tree` (holding `tokens`) with token `branches` added under the root, deduplicated.
 
     A branch follows existing nodes while their tokens match and adds new nodes after that,
     so siblings stay distinct. Returns the merged tokens, buffers and each node's source
-    (ROOT, HEADS, `source` or BOTH; the base tree's nodes count as HEADS)."""
+    (ROOT, HEADS, `source` or BOTH; the base tree's nodes count as HEADS unless `base_sources`
+    says otherwise, as after an earlier graft)."""
     parent = tree.parent.tolist()
     rank = tree.rank.tolist()
     tokens = list(tokens)
-    sources = [ROOT] + [HEADS] * (len(tokens) - 1)
+    sources = list(base_sources) if base_sources is not None else [ROOT] + [HEADS] * (len(tokens) - 1)
     child: dict[tuple[int, int], int] = {(parent[i], tokens[i]): i for i in range(1, len(tokens))}
     added = False
     for branch in branches:

@@ -116,15 +116,30 @@ def test_greedy_with_retrieval_equals_plain_greedy(hybrid):
     assert sum(s == "retrieval" for e in events for s in e.sources) > 5  # retrieved drafts were accepted
 
 
-def test_greedy_is_exact_with_the_policy_drafting_from_retrieval():
+@pytest.mark.parametrize("context", [False, True])
+def test_greedy_is_exact_with_the_policy_drafting_from_retrieval(context):
     model = tiny_model("llama")
     reference, corpus = own_replies(model)
-    policy = Policy(lambda: FLAT, None, use_heads=False, use_lookup=False, use_retrieval=True)
+    policy = Policy(lambda: FLAT, None, use_heads=False, use_lookup=context, use_retrieval=True)
     drafter = AutoDrafter(None, policy, branches=1, length=4, corpus=corpus)
     events, done = collect(stream(model, PROMPT, DecodeSettings(max_new_tokens=60), drafter))
     assert list(done.token_ids) == reference
     assert sum(s == "retrieval" for e in events for s in e.sources) > 5
     assert any("retrieval nodes" in e.choice for e in events[1:])
+    if context:  # where the two lookups disagree on the next token, one tree carries both
+        both = [e for e in events if {"context", "retrieval"} <= set(e.node_sources)]
+        assert both and all("context+retrieval nodes" in e.choice for e in both)
+
+
+def test_two_lookups_that_disagree_add_up_their_chances():
+    policy = Policy(lambda: MODERATE, None, use_heads=False, use_lookup=True, use_retrieval=True)
+    context, retrieval = ("context", 0), ("retrieval", 2)
+    policy.hazard(context)[:] = torch.tensor([0.6, 0.5] + [0.4] * 14)
+    policy.hazard(retrieval)[:] = 0.3
+    for k in range(1, 5):
+        survival = [min(1.0, 0.6 * 0.5 ** min(i, 1) * 0.4 ** max(i - 1, 0) + 0.3 ** (i + 1)) for i in range(k)]
+        assert policy.reach((context, retrieval), k) == pytest.approx(sum(survival))
+    assert policy.reach((context, retrieval), 4) > max(policy.reach(context, 4), policy.reach(retrieval, 4))
 
 
 def test_lossless_sampling_distribution_with_retrieval():

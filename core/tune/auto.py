@@ -62,13 +62,7 @@ class AutoDrafter:
         retrieved, evidence = [], 0
         if self.corpus is not None and len(history) > 1:
             retrieved, evidence = self.corpus.continuations(history, self.branches, RETRIEVAL_LENGTH)
-        # offer the lookup expected to match further (the context on a tie: it is this reply's own text)
-        lookup, offered = CONTEXT_KEY, found
-        if retrieved and (
-            not found
-            or self.policy.reach(("retrieval", evidence), CONTEXT_DEPTH) > self.policy.reach(CONTEXT_KEY, CONTEXT_DEPTH)
-        ):
-            lookup, offered = ("retrieval", evidence), retrieved
+        lookup, offered = self._offer(found, retrieved, evidence)
         most = max(map(len, offered), default=0)
         lookup_nodes = [node_count([c[:k] for c in offered]) for k in range(1, most + 1)]
         choice = self.policy.choose(lookup_nodes, lookup)
@@ -85,12 +79,33 @@ class AutoDrafter:
             tokens += candidates.flatten()[index].tolist()
         sources: tuple[int, ...] = ()
         if choice.lookup and offered:
-            source = RETRIEVAL if lookup[0] == "retrieval" else CONTEXT
-            tokens, tree, merged = graft(tree, tokens, [c[: choice.lookup] for c in offered], source)
+            cut, merged = choice.lookup, None
+            if found and lookup in (CONTEXT_KEY, (CONTEXT_KEY, ("retrieval", evidence))):
+                tokens, tree, merged = graft(tree, tokens, [c[:cut] for c in found], CONTEXT)
+            if retrieved and lookup != CONTEXT_KEY:
+                tokens, tree, merged = graft(tree, tokens, [c[:cut] for c in retrieved], RETRIEVAL, merged)
             sources = tuple(merged)
         self._last = (choice, candidates, probs, found, retrieved, evidence)
         device = root.device
         return Draft(torch.tensor(tokens, device=device), tree if device.type == "cpu" else tree.to(device), sources)
+
+    def _offer(self, found: list[list[int]], retrieved: list[list[int]], evidence: int) -> tuple:
+        """The lookup this step offers the policy and its continuations: both lookups when their
+        first tokens differ (at most one can be right, so their chances add up), else the one
+        expected to match further (the context on a tie: it is this reply's own text)."""
+        other = ("retrieval", evidence)
+        if not retrieved:
+            return CONTEXT_KEY, found
+        if not found:
+            return other, retrieved
+        if not {c[0] for c in found} & {c[0] for c in retrieved}:
+            return (CONTEXT_KEY, other), found + retrieved
+        reach = self.policy.reach
+        return (
+            (other, retrieved)
+            if reach(other, CONTEXT_DEPTH) > reach(CONTEXT_KEY, CONTEXT_DEPTH)
+            else (CONTEXT_KEY, found)
+        )
 
     def _tree(self, paths: tuple[tuple[int, ...], ...]) -> TreeBuffers:
         """The tree of these head paths (built once, kept among the last `TREES` used)."""

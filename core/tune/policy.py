@@ -61,6 +61,9 @@ CONTEXT_DEPTH = 16  # continuation tokens whose match chance is tracked (longer 
 # replies of the embedded model: first-token hits .08 / .22 / .33 / .35 / .70, `assets/retrieval/`)
 RETRIEVAL_PRIOR = (0.08, 0.2, 0.3, 0.35, 0.7)
 CONTEXT_KEY = ("context", 0)  # the context lookup's key among the lookups' match chances
+# A lookup is one key, or a pair of keys whose continuations start with different tokens: both are
+# grafted, at most one can match, so the chance that the step matches k tokens is the sum of theirs.
+Lookup = tuple  # tuple[str, int] | tuple[tuple[str, int], tuple[str, int]]
 MARGIN = 1.03  # a tree must be expected this much faster than plain decoding to be chosen
 RANKS = 10  # candidates per head the policy reads
 TABULATED = 2 * MAX_BUDGET + 1  # node counts whose step time is kept in a table (more: interpolated)
@@ -95,7 +98,7 @@ class Choice:
     reason: str  # why, in a few words (shown in the step inspector)
     drafted: bool = False  # the heads ran (their tree may still be empty)
     paths: tuple[tuple[int, ...], ...] | None = None  # this step's own head tree (None: the running one's)
-    lookup_key: tuple[str, int] = ("context", 0)  # which lookup the continuations came from (see CONTEXT_KEY)
+    lookup_key: Lookup = ("context", 0)  # which lookup(s) the continuations came from (see Lookup)
 
     @property
     def plain(self) -> bool:
@@ -103,8 +106,17 @@ class Choice:
 
     @property
     def source(self) -> str:
-        """Where the grafted continuations came from: "context" or "retrieval"."""
-        return self.lookup_key[0]
+        """Where the grafted continuations came from: "context", "retrieval" or both ("+")."""
+        return label(self.lookup_key)
+
+
+def keys(lookup: Lookup) -> tuple[tuple[str, int], ...]:
+    """The keys of a lookup (one, or the pair)."""
+    return tuple(lookup) if isinstance(lookup[0], tuple) else (lookup,)
+
+
+def label(lookup: Lookup) -> str:
+    return "+".join(k[0] for k in keys(lookup))
 
 
 @dataclass
@@ -167,7 +179,7 @@ class Policy:
         # given it matched the ones before (a discrete hazard: a step that shows only the first
         # tokens says nothing of later ones)
         self.hazards: dict[tuple[str, int], Tensor] = {}
-        self._reach: dict[tuple[str, int], list[float]] = {}  # expected matched tokens by cut length (cached)
+        self._reach: dict[Lookup, list[float]] = {}  # expected matched tokens by cut length (cached)
         self.scales = {False: 1.0, True: 1.0}  # observed ÷ the curve's step time, for plain and tree steps
         self._curve: CostCurve | None = None
         self._ms: list[float] = []
@@ -190,7 +202,7 @@ class Policy:
             self._order = greedy_order(self.accuracy, MAX_BUDGET)
         return self._order
 
-    def choose(self, lookup_nodes: Sequence[int] = (), lookup: tuple[str, int] = CONTEXT_KEY) -> Choice:
+    def choose(self, lookup_nodes: Sequence[int] = (), lookup: Lookup = CONTEXT_KEY) -> Choice:
         """The option with the most tokens per ms: plain, heads of some budget, the continuations
         of the lookup keyed `lookup` cut to some length (`lookup_nodes[k - 1]`: their nodes when cut
         to k tokens; empty: it found nothing), or both."""
@@ -218,11 +230,11 @@ class Policy:
         just left (a poem's repeated lines say nothing of an email); what was learned of the heads,
         of the retrieval's evidence and of the machine stays."""
         self.hazards.pop(CONTEXT_KEY, None)
-        self._reach.pop(CONTEXT_KEY, None)
+        self._reach.clear()
         self.realized = {"heads": self.realized["heads"]}
 
-    def _uses(self, lookup: tuple[str, int]) -> bool:
-        return self.use_retrieval if lookup[0] == "retrieval" else self.use_lookup
+    def _uses(self, lookup: Lookup) -> bool:
+        return all(self.use_retrieval if k[0] == "retrieval" else self.use_lookup for k in keys(lookup))
 
     def hazard(self, lookup: tuple[str, int]) -> Tensor:
         """(CONTEXT_DEPTH,) match chances of the lookup keyed `lookup` (its prior until observed)."""
@@ -243,13 +255,15 @@ class Policy:
     def context_reach(self, length: int) -> float:
         return self.reach(CONTEXT_KEY, length)
 
-    def reach(self, lookup: tuple[str, int], length: int) -> float:
-        """Expected matched tokens of the lookup's best continuation cut to `length`: Σₖ P(match ≥ k)."""
+    def reach(self, lookup: Lookup, length: int) -> float:
+        """Expected matched tokens of the lookup's best continuation cut to `length`: Σₖ P(match ≥ k)
+        (for a pair, P summed: their first tokens differ, so at most one matches)."""
         if lookup not in self._reach:
-            self._reach[lookup] = [0.0, *torch.cumprod(self.hazard(lookup), 0).cumsum(0).tolist()]
+            survival = sum(torch.cumprod(self.hazard(k), 0) for k in keys(lookup)).clamp(max=1.0)
+            self._reach[lookup] = [0.0, *survival.cumsum(0).tolist()]
         return self._reach[lookup][min(length, CONTEXT_DEPTH)]
 
-    def _pays(self, kind: str | tuple[str, int], option: Choice, expected: float, plain_ms: float) -> bool:
+    def _pays(self, kind: str | Lookup, option: Choice, expected: float, plain_ms: float) -> bool:
         """Whether steps of `kind` ("heads": the heads run; a lookup key: that lookup only) beat plain
         ones: as `option` is estimated against the rate `expected` (tokens per ms), and as they really ran
         lately once there are enough of them. The heads' estimate is a model (calibrated
@@ -272,7 +286,7 @@ class Policy:
         return self._current().heads_ms * self.scales[True]
 
     def refine(
-        self, choice: Choice, probs: Tensor, lookup_nodes: Sequence[int] = (), lookup: tuple[str, int] = CONTEXT_KEY
+        self, choice: Choice, probs: Tensor, lookup_nodes: Sequence[int] = (), lookup: Lookup = CONTEXT_KEY
     ) -> Choice:
         """This step's tree from the heads' own top-RANKS probabilities (heads, RANKS), once they ran
         for `choice`: the budget (0 included) with the most expected tokens per ms, the heads'
@@ -290,7 +304,7 @@ class Policy:
         gain: Sequence[float],
         lookup_nodes: Sequence[int],
         heads_ms: float,
-        lookup: tuple[str, int] = CONTEXT_KEY,
+        lookup: Lookup = CONTEXT_KEY,
         heads_only: bool = False,
         sunk: bool = False,
     ) -> Choice:
@@ -311,7 +325,7 @@ class Policy:
                     best, best_rate = (budget, cut, nodes, ms), rate
         budget, cut, nodes, ms = best
         tokens = 1 + max(gain[budget - 1] if budget else 0.0, self.reach(lookup, cut) if cut else 0.0)
-        parts = [f"{budget} head nodes"] * bool(budget) + [f"{nodes - 1 - budget} {lookup[0]} nodes"] * bool(cut)
+        parts = [f"{budget} head nodes"] * bool(budget) + [f"{nodes - 1 - budget} {label(lookup)} nodes"] * bool(cut)
         ms *= self.scales[True]
         return Choice(budget, cut, nodes, tokens, ms, " + ".join(parts), budget > 0 or sunk, lookup_key=lookup)
 
@@ -380,7 +394,7 @@ class Policy:
             hit = (torch.arange(checked) < best).float()
             hazard = self.hazard(lookup)
             hazard[:checked] += CONTEXT_RATE * (hit - hazard[:checked])
-            self._reach.pop(lookup, None)
+            self._reach.clear()  # (pairs hold this key too)
 
     def _calibrate(self, probs: Tensor, match: Tensor) -> None:
         """Move each bin toward how often this step's checked candidates in it were right (n
