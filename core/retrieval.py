@@ -14,6 +14,7 @@ as the user's own replies are added (merged into the first once it grows as larg
 
 from __future__ import annotations
 
+import json
 import time
 from array import array
 from collections import Counter
@@ -94,9 +95,11 @@ class SuffixIndex:
 class Corpus:
     """The shipped replies' index plus one over the user's own, searched together."""
 
-    def __init__(self, base: SuffixIndex | None = None, source: str = "") -> None:
+    def __init__(self, base: SuffixIndex | None = None, source: str = "", hit_rates: Sequence = ()) -> None:
         self.base = base or SuffixIndex([])
         self.source = source  # where the base came from, for the status line
+        # held out, how often the first drafted token was right, per evidence class (None: unmeasured)
+        self.hit_rates = tuple(hit_rates)
         self.own: list[list[int]] = []  # the user's replies not merged into the base yet
         self.recent = SuffixIndex([])
 
@@ -196,12 +199,15 @@ def _suffix_order(ids: array) -> torch.Tensor:
     return torch.sort(rank, stable=True).indices
 
 
-def save_corpus(file: Path, docs: Sequence[Sequence[int]], model: str, vocab_size: int) -> None:
-    """The replies as one int32 tensor and their lengths, with the model they came from."""
+def save_corpus(
+    file: Path, docs: Sequence[Sequence[int]], model: str, vocab_size: int, hit_rates: Sequence = ()
+) -> None:
+    """The replies as one int32 tensor and their lengths, with the model they came from and the
+    held-out hit rate of each evidence class (what the speculation policy starts from)."""
     flat = torch.tensor([t for d in docs for t in d], dtype=torch.int32)
     lengths = torch.tensor([len(d) for d in docs], dtype=torch.int32)
     file.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"format": str(FORMAT), "model": model, "vocab_size": str(vocab_size)}
+    meta = {"format": str(FORMAT), "model": model, "vocab_size": str(vocab_size), "hit_rates": json.dumps(hit_rates)}
     save_file({"ids": flat, "lengths": lengths}, file, metadata=meta)
 
 
@@ -218,8 +224,11 @@ def load_corpus(file: Path, vocab_size: int) -> Corpus:
         raise UserError(f"The reply corpus {file} was made for another model or format; it is not used.")
     if int(lengths.sum()) != len(ids) or (len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size)):
         raise UserError(f"The reply corpus {file} is damaged; it is not used.")
+    try:
+        rates = json.loads(meta.get("hit_rates", "[]"))
+        rates = [r if isinstance(r, (int, float)) and 0 <= r <= 1 else None for r in rates][:EVIDENCE_CLASSES]
+    except (ValueError, TypeError):
+        rates = []  # the policy's own priors then
     docs = torch.split(ids, lengths.tolist())
-    corpus = Corpus(
-        SuffixIndex(d.tolist() for d in docs), f"{file.name}, indexed in {time.perf_counter() - start:.2f} s"
-    )
-    return corpus
+    took = time.perf_counter() - start
+    return Corpus(SuffixIndex(d.tolist() for d in docs), f"{file.name}, indexed in {took:.2f} s", rates)

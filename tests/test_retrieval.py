@@ -18,7 +18,7 @@ from core.retrieval import MAX_MATCH, MIN_MATCH, Corpus, SuffixIndex, evidence, 
 from core.settings import DecodeSettings
 from core.tree import build_tree, load_tree
 from core.tune.auto import AutoDrafter
-from core.tune.policy import CostCurve, Policy
+from core.tune.policy import RETRIEVAL_PRIOR, CostCurve, Policy
 from tests.helpers import plain_tokens, three_token_p_value, tiny_model
 from tests.test_engine import PROMPT, random_heads
 
@@ -82,9 +82,13 @@ def test_added_replies_are_found_and_merged_into_the_base():
 def test_corpus_file_round_trip_and_damage(tmp_path):
     file = tmp_path / "replies.safetensors"
     docs = [[1, 2, 3], [4, 5], [1, 2, 7]]
-    save_corpus(file, docs, "tiny", vocab_size=10)
+    save_corpus(file, docs, "tiny", vocab_size=10, hit_rates=[0.1, None, 0.5])
     corpus = load_corpus(file, vocab_size=10)
     assert len(corpus) == 8 and corpus.continuations([1, 2], 2, 4)[0] == [[3], [7]]
+    assert corpus.hit_rates == (0.1, None, 0.5)  # the policy starts from these, its own priors elsewhere
+    policy = Policy(lambda: MODERATE, None, use_retrieval=True, retrieval_prior=corpus.hit_rates)
+    starts = [float(policy.hazard(("retrieval", k))[0]) for k in range(5)]
+    assert starts == pytest.approx([0.1, RETRIEVAL_PRIOR[1], 0.5, *RETRIEVAL_PRIOR[3:]])
     with pytest.raises(UserError, match="another model"):
         load_corpus(file, vocab_size=11)
     save_corpus(file, [[1, 2, 30]], "tiny", vocab_size=10)  # a token past the vocabulary

@@ -63,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
         result = replies.evaluate(corpus, held, progress=lambda done, total: bar.update(done - bar.n))
     full, seconds = replies.build(records)  # what ships holds every reply
     vocab = backbone.model.get_output_embeddings().weight.shape[0]
-    save_corpus(out, [r["answer_ids"] for r in records], args.model, vocab)
+    rates = [h["hit_rate"] for h in result["first_token_hits"]]
+    save_corpus(out, [r["answer_ids"] for r in records], args.model, vocab, rates)
     card = {
         "model": args.model, "kind": args.kind, "prompts": len(prompts), "replies": len(records),
         "tokens": len(full), "index_bytes": full.nbytes, "index_seconds": round(seconds, 3),

@@ -146,5 +146,6 @@ def auto_drafter(
         prior = prior if prior is not None else prior_accuracy(heads.num_heads, [0.02] * heads.num_heads)
     reliability = preset.reliability if use_heads and trained else ()
     use_retrieval = kind in RETRIEVAL_DRAFTERS and corpus is not None and len(corpus) > 0
-    policy = Policy(curve, prior, use_heads, kind in LOOKUP_DRAFTERS, reliability, use_retrieval)
+    rates = corpus.hit_rates if corpus is not None else ()
+    policy = Policy(curve, prior, use_heads, kind in LOOKUP_DRAFTERS, reliability, use_retrieval, rates)
     return AutoDrafter(heads, policy, preset.lookup_branches, preset.lookup_length, corpus=corpus)

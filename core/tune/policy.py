@@ -57,8 +57,9 @@ CONTEXT_PRIOR = 0.5  # chance that a lookup continuation's next token matches, g
 # before one was checked (about one matched token in all; then learnt from every step that finds
 # one, drafted or not): a copy task pays from its first steps
 CONTEXT_DEPTH = 16  # continuation tokens whose match chance is tracked (longer ones are cut there)
-# before one was checked, the same for retrieval by the corpus's evidence class (measured on held-out
-# replies of the embedded model: first-token hits .08 / .22 / .33 / .35 / .70, `assets/retrieval/`)
+# before one was checked, the same for retrieval by the corpus's evidence class, where the corpus
+# file does not say (its held-out hit rates, which `train-drafter` stores, come first; these are the
+# embedded model's: first-token hits .08 / .22 / .33 / .35 / .70)
 RETRIEVAL_PRIOR = (0.08, 0.2, 0.3, 0.35, 0.7)
 CONTEXT_KEY = ("context", 0)  # the context lookup's key among the lookups' match chances
 # A lookup is one key, or a pair of keys whose continuations start with different tokens: both are
@@ -170,11 +171,15 @@ class Policy:
         use_lookup: bool = True,
         reliability: Sequence[Sequence[float]] = (),
         use_retrieval: bool = False,
+        retrieval_prior: Sequence[float | None] = (),
     ) -> None:
         self.curve = curve
         self.accuracy = accuracy.clone() if accuracy is not None else torch.zeros(0, RANKS)
         self.use_heads = use_heads and self.accuracy.shape[0] > 0
         self.use_lookup, self.use_retrieval = use_lookup, use_retrieval
+        # the retrieval's first-token hit rate per evidence class: the corpus's held-out one where known
+        known = list(retrieval_prior) + [None] * len(RETRIEVAL_PRIOR)
+        self.retrieval_prior = tuple(p if k is None else k for p, k in zip(RETRIEVAL_PRIOR, known, strict=False))
         # per lookup key: (CONTEXT_DEPTH,) chance that its best continuation matches its k-th token,
         # given it matched the ones before (a discrete hazard: a step that shows only the first
         # tokens says nothing of later ones)
@@ -239,7 +244,7 @@ class Policy:
     def hazard(self, lookup: tuple[str, int]) -> Tensor:
         """(CONTEXT_DEPTH,) match chances of the lookup keyed `lookup` (its prior until observed)."""
         if lookup not in self.hazards:
-            prior = RETRIEVAL_PRIOR[lookup[1]] if lookup[0] == "retrieval" else CONTEXT_PRIOR
+            prior = self.retrieval_prior[lookup[1]] if lookup[0] == "retrieval" else CONTEXT_PRIOR
             self.hazards[lookup] = torch.full((CONTEXT_DEPTH,), prior)
         return self.hazards[lookup]
 
