@@ -33,6 +33,7 @@ from core.tune.costs import StepCosts
 from core.worker import ComputeThread
 from models.loader import Backbone, corpus_for, heads_for, load_backbone, resolve, resolve_heads, step_costs
 
+LEARN_BATCH = 100  # saved replies tokenized per compute job
 log = logging.getLogger("medusa-chat")
 
 MODEL_TREE = "(model default)"  # the tree name that means the loaded model's calibrated preset
@@ -117,17 +118,24 @@ class Engine:
         loaded = self.compute.call(build)
         self.loaded, self.model_id, self.error = loaded, model, None
         self._drafters.clear()
-        if loaded.corpus is not None and self.past_replies is not None:  # at an idle moment, like the costs
-            self.compute.submit(lambda: self._learn(loaded, self.past_replies()))
+        if loaded.corpus is not None and self.past_replies is not None:  # at idle moments, like the costs
+            self._measure(self._learn(loaded))
         if loaded.costs.needed:  # one tree size per job, so a reply waits for one size at most
             self._measure(loaded.costs.steps())
 
-    def _learn(self, loaded: Loaded, texts: list[str]) -> None:
-        """Index the user's own replies for retrieval drafting."""
-        encode = loaded.backbone.tokenizer.encode
-        loaded.corpus.add([encode(t, add_special_tokens=False) for t in texts if t.strip()])
+    def _learn(self, loaded: Loaded) -> Iterator[None]:
+        """Index the user's saved replies for retrieval drafting: tokenized `LEARN_BATCH` at a time,
+        one job each (a reply waits for one batch at most), then indexed once."""
+        texts = [t for t in self.past_replies() if t.strip()]
+        encode, docs = loaded.backbone.tokenizer.encode, []
+        for start in range(0, len(texts), LEARN_BATCH):
+            docs += [encode(t, add_special_tokens=False) for t in texts[start : start + LEARN_BATCH]]
+            yield
+        loaded.corpus.add(docs)
 
     def _measure(self, steps: Iterator[None]) -> None:
+        """Run `steps` one at a time on the compute thread, each as its own job."""
+
         def one() -> None:
             if next(steps, StopIteration) is not StopIteration:
                 self.compute.submit(one)

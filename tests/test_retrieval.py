@@ -217,7 +217,8 @@ def test_engine_drafts_from_saved_chats_and_its_own_replies_unless_opted_out():
     for learn in (True, False):
         engine = Engine(EMBEDDED_ID, dtype="float32", past_replies=(lambda: [saved, " "]) if learn else None)
         engine.load(EMBEDDED_ID)
-        engine.compute.call(lambda: None)  # the saved chats are indexed at the first idle moment
+        for _ in range(3):  # the saved chats are indexed in jobs at idle moments: let them run
+            engine.compute.call(lambda: None)
         engines[learn] = engine
     corpus = engines[True].loaded.corpus
     saved_ids = engines[True].loaded.backbone.tokenizer.encode(saved, add_special_tokens=False)
