@@ -80,9 +80,9 @@ class AutoDrafter:
         sources: tuple[int, ...] = ()
         if choice.lookup and offered:
             cut, merged = choice.lookup, None
-            if found and lookup in (CONTEXT_KEY, (CONTEXT_KEY, ("retrieval", evidence))):
+            if found and lookup != ("retrieval", evidence):  # the context alone, or both
                 tokens, tree, merged = graft(tree, tokens, [c[:cut] for c in found], CONTEXT)
-            if retrieved and lookup != CONTEXT_KEY:
+            if retrieved and lookup != CONTEXT_KEY:  # the past replies alone, or both
                 tokens, tree, merged = graft(tree, tokens, [c[:cut] for c in retrieved], RETRIEVAL, merged)
             sources = tuple(merged)
         self._last = (choice, candidates, probs, found, retrieved, evidence)
