@@ -15,8 +15,8 @@ as the user's own replies are added (merged into the first once it grows as larg
 from __future__ import annotations
 
 import json
-import time
 from array import array
+from bisect import bisect_left, bisect_right
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -57,24 +57,10 @@ class SuffixIndex:
 
     def _range(self, query: array) -> tuple[int, int]:
         """Where the suffixes starting with `query` lie in the sorted order (lo == hi: nowhere)."""
-        ids, order, m = self.ids, self.order, len(query)
-        lo, hi = 0, len(order)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            s = order[mid]
-            if ids[s : s + m] < query:
-                lo = mid + 1
-            else:
-                hi = mid
-        start, hi = lo, len(order)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            s = order[mid]
-            if ids[s : s + m] <= query:
-                lo = mid + 1
-            else:
-                hi = mid
-        return start, lo
+        ids, m = self.ids, len(query)
+        prefix = lambda s: ids[s : s + m]  # noqa: E731 (arrays compare element by element)
+        lo = bisect_left(self.order, query, key=prefix)
+        return lo, bisect_right(self.order, query, lo, key=prefix)
 
     def occurrences(self, history: Sequence[int]) -> tuple[int, list[int]]:
         """The longest suffix of `history` found (its length, 0 if under `MIN_MATCH`) and where,
@@ -95,9 +81,8 @@ class SuffixIndex:
 class Corpus:
     """The shipped replies' index plus one over the user's own, searched together."""
 
-    def __init__(self, base: SuffixIndex | None = None, source: str = "", hit_rates: Sequence = ()) -> None:
+    def __init__(self, base: SuffixIndex | None = None, hit_rates: Sequence = ()) -> None:
         self.base = base or SuffixIndex([])
-        self.source = source  # where the base came from, for the status line
         # held out, how often the first drafted token was right, per evidence class (None: unmeasured)
         self.hit_rates = tuple(hit_rates)
         self.own: list[list[int]] = []  # the user's replies not merged into the base yet
@@ -213,7 +198,6 @@ def save_corpus(
 
 def load_corpus(file: Path, vocab_size: int) -> Corpus:
     """The corpus in `file`, indexed (UserError if it is unreadable or for another vocabulary)."""
-    start = time.perf_counter()
     try:
         with safe_open(file, "pt") as f:
             meta = f.metadata() or {}
@@ -230,5 +214,4 @@ def load_corpus(file: Path, vocab_size: int) -> Corpus:
     except (ValueError, TypeError):
         rates = []  # the policy's own priors then
     docs = torch.split(ids, lengths.tolist())
-    took = time.perf_counter() - start
-    return Corpus(SuffixIndex(d.tolist() for d in docs), f"{file.name}, indexed in {took:.2f} s", rates)
+    return Corpus(SuffixIndex(d.tolist() for d in docs), rates)
