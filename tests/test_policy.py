@@ -15,6 +15,7 @@ from core.tree import load_preset
 from core.tune import costs
 from core.tune.auto import AutoDrafter, auto_drafter
 from core.tune.policy import (
+    CONTEXT_DEPTH,
     CONTEXT_KEY,
     CONTEXT_PRIOR,
     EXPLORE_EVERY,
@@ -167,16 +168,18 @@ def test_a_cost_staircase_cuts_the_lookup_to_fit_a_block():
         p.observe(c, None, [1, 2, 9, 9], [[1, 2, 3, 4]], c.expected_ms / 1000)
     c = p.choose(lookup_nodes=ONE_BRANCH)
     assert c.lookup == 3 and c.nodes == 4  # root + 3 context nodes: one block; the 4th token would start the next
-    assert p.context_reach(2) > 1.5 and p.context_reach(4) - p.context_reach(2) < 0.5
+    assert p.reach(CONTEXT_KEY, 2) > 1.5 and p.reach(CONTEXT_KEY, 4) - p.reach(CONTEXT_KEY, 2) < 0.5
 
 
 def test_a_plain_step_says_nothing_of_later_lookup_tokens():
     p = policy(MODERATE)
     for _ in range(30):  # plain steps emit one token: only the continuation's first token is checked
         p.observe(replace(p.choose(), reason="plain"), None, [1], [[1, 2, 3, 4]], 0.01)
-    hazard = p.context_hazard
+    hazard = p.hazard(CONTEXT_KEY)
     assert hazard[0] > 0.99 and torch.all(hazard[1:] == CONTEXT_PRIOR)
-    assert p.context_match == pytest.approx(float(hazard[0]) * sum(CONTEXT_PRIOR**k for k in range(len(hazard))))
+    assert p.reach(CONTEXT_KEY, CONTEXT_DEPTH) == pytest.approx(
+        float(hazard[0]) * sum(CONTEXT_PRIOR**k for k in range(len(hazard)))
+    )
 
 
 def test_heads_trees_end_at_a_step_of_the_staircase():
@@ -330,10 +333,10 @@ def test_a_new_reply_forgets_what_the_lookup_matched_but_not_the_heads():
     root, hidden = torch.tensor(4), torch.zeros(8)
     draft = drafter.propose(hidden, root, history)
     drafter.observe(draft, [4, 1, 2, 3, 5], 0.01)  # the lookup's continuation matched four tokens
-    prior = Policy(lambda: MODERATE, None).context_match
-    matched = p.context_match
+    prior = Policy(lambda: MODERATE, None).reach(CONTEXT_KEY, CONTEXT_DEPTH)
+    matched = p.reach(CONTEXT_KEY, CONTEXT_DEPTH)
     assert matched > prior
     drafter.propose(hidden, torch.tensor(5), [*history, 4, 1, 2, 3, 5])  # the same reply goes on
-    assert p.context_match == matched
+    assert p.reach(CONTEXT_KEY, CONTEXT_DEPTH) == matched
     drafter.propose(hidden, root, [9, 8, 7])  # another prompt: a new reply
-    assert p.context_match == prior and CONTEXT_KEY not in p.realized
+    assert p.reach(CONTEXT_KEY, CONTEXT_DEPTH) == prior and CONTEXT_KEY not in p.realized

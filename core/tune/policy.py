@@ -248,18 +248,6 @@ class Policy:
             self.hazards[lookup] = torch.full((CONTEXT_DEPTH,), prior)
         return self.hazards[lookup]
 
-    @property
-    def context_hazard(self) -> Tensor:
-        return self.hazard(CONTEXT_KEY)
-
-    @property
-    def context_match(self) -> float:
-        """Tokens the context lookup's best continuation is expected to match (uncut)."""
-        return self.reach(CONTEXT_KEY, CONTEXT_DEPTH)
-
-    def context_reach(self, length: int) -> float:
-        return self.reach(CONTEXT_KEY, length)
-
     def reach(self, lookup: Lookup, length: int) -> float:
         """Expected matched tokens of the lookup's best continuation cut to `length`: Σₖ P(match ≥ k)
         (for a pair, P summed: their first tokens differ, so at most one matches)."""
