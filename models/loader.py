@@ -52,6 +52,12 @@ class Backbone:
     chat_template: str | None = None
     folder: Path | None = None  # where the weights were loaded from
 
+    @property
+    def pad_id(self) -> int:
+        """The token batched prompts are padded with: the tokenizer's, else the first end token."""
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else self.eos_ids[0]
+
     def encode_chat(self, prompt: str, system: str | None = None) -> list[int]:
         """One user message (and an optional system prompt) as prompt token ids."""
         if not prompt.strip():

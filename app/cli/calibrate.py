@@ -47,12 +47,11 @@ def run(args: argparse.Namespace) -> int:
     backbone = load_backbone(args.model, args.dtype, args.device, args.quantization, spec=spec)
     model = backbone.model
     heads, _ = heads_for(backbone, heads_dir)
-    pad = backbone.tokenizer.pad_token_id if backbone.tokenizer.pad_token_id is not None else backbone.eos_ids[0]
 
     with tqdm(total=len(prompts), desc="greedy replies", unit="prompt") as bar:
         encoded = [backbone.encode_chat(p) for p in prompts]
         result = cal.calibrate(
-            model, heads, encoded, backbone.eos_ids, pad, args.max_new_tokens, budgets, cal.LOOKUP_SETTINGS,
+            model, heads, encoded, backbone.eos_ids, backbone.pad_id, args.max_new_tokens, budgets, cal.LOOKUP_SETTINGS,
             lambda n: bar.update(n), lambda text: print(text, file=sys.stderr),
         )  # fmt: skip
     ranked, accuracy, verify_ms = result.ranked, result.accuracy, result.verify_ms

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from app.cli.options import model_options, read_prompts
+from app.cli.options import answer_prompts, model_options, read_prompts
 from core.errors import UserError
 
 HELP = "build a drafter for a model from its own replies (--kind retrieval: an index of past replies)"
@@ -42,18 +42,10 @@ def run(args: argparse.Namespace) -> int:
     prompts = read_prompts(args.prompts)
     work = Path(args.work_dir).expanduser() if args.work_dir else out.with_suffix("")
     backbone = load_backbone(args.model, args.dtype, args.device, args.quantization)
-    pad = backbone.tokenizer.pad_token_id
-    pad = pad if pad is not None else backbone.eos_ids[0]
-    encoded = [backbone.encode_chat(p) for p in prompts]
 
     transcripts = work / "transcripts.jsonl"  # the same self-distillation as train-heads, resumable
     started = time.perf_counter()
-    with tqdm(total=len(prompts), desc="answering prompts", unit="prompt") as bar:
-        bar.update(train.done_records(transcripts))
-        progress = lambda done, total: bar.update(done - bar.n)  # noqa: E731
-        answered = train.distill(
-            backbone.model, encoded, transcripts, backbone.eos_ids, pad, args.batch_size, args.max_new_tokens, progress
-        )
+    answered = answer_prompts(backbone, prompts, transcripts, args.batch_size, args.max_new_tokens)
     answering = time.perf_counter() - started
     records = train.read_records(transcripts)
 

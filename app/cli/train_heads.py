@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from app.cli.options import model_options, read_prompts
+from app.cli.options import answer_prompts, model_options, read_prompts
 from core.errors import UserError
 
 HELP = "train Medusa heads for a model by self-distillation"
@@ -50,19 +50,11 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out).expanduser()
     work = Path(args.work_dir).expanduser() if args.work_dir else out / "data"
     backbone = load_backbone(args.model, args.dtype, args.device, args.quantization)
-    model, tokenizer = backbone.model, backbone.tokenizer
-    encoded = [backbone.encode_chat(p) for p in prompts]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else backbone.eos_ids[0]
+    model = backbone.model
 
     # 1) self-distillation (resumable)
     transcripts = work / "transcripts.jsonl"
-    with tqdm(total=len(prompts), desc="answering prompts", unit="prompt") as bar:
-        bar.update(train.done_records(transcripts))
-
-        def advance(done: int, total: int) -> None:
-            bar.update(done - bar.n)
-
-        train.distill(model, encoded, transcripts, backbone.eos_ids, pad, args.batch_size, args.max_new_tokens, advance)
+    answer_prompts(backbone, prompts, transcripts, args.batch_size, args.max_new_tokens)
     records = train.read_records(transcripts)
 
     # 2) hidden states, once, cached next to the transcripts
