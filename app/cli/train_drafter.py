@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     answered = answer_prompts(backbone, prompts, transcripts, args.batch_size, args.max_new_tokens)
     answering = time.perf_counter() - started
-    records = train.read_records(transcripts)
+    records = sorted(train.read_records(transcripts), key=lambda r: r["index"])  # reply i answers prompt i
 
     kept, held = replies.split(records, args.held_out, args.seed)
     corpus, _ = replies.build(kept)
@@ -85,7 +85,8 @@ def _card(card: dict) -> str:
         f"The model's own greedy replies ({card['dtype']}, up to {card['max_new_tokens']} new tokens) to "
         f"{card['prompts']} seed prompts, made by `medusa-chat train-drafter --kind retrieval`: "
         f"{card['replies']} replies, {card['tokens']} tokens ({card['answered_this_run']} answered in the last run, "
-        f"in {card['answering_seconds']} s; a run resumes where an interrupted one stopped).\n\n"
+        f"in {card['answering_seconds']} s; a run resumes where an interrupted one stopped), in the order of "
+        "the prompts file, so reply i answers prompt i.\n\n"
         f"- Index: a suffix array, built at load in {card['index_seconds']:.2f} s on the machine that made it; "
         f"{card['index_bytes'] / 1e6:.1f} MB in memory.\n"
         f"- Lookup: {held['lookup_ms']:.3f} ms a step (the longest suffix of the history found, then the most "
