@@ -17,7 +17,18 @@ from core.errors import UserError
 from core.lookup import NgramIndex
 from core.retrieval import Corpus
 from core.step import Draft
-from core.tree import CONTEXT, DRAFTERS, LOOKUP_DRAFTERS, RETRIEVAL, TreeBuffers, build_tree, check_fits, graft
+from core.tree import (
+    CONTEXT,
+    DRAFTERS,
+    HEAD_DRAFTERS,
+    LOOKUP_DRAFTERS,
+    RETRIEVAL,
+    RETRIEVAL_DRAFTERS,
+    TreeBuffers,
+    build_tree,
+    check_fits,
+    graft,
+)
 
 
 class Heads(Protocol):
@@ -95,10 +106,9 @@ def make_drafter(
     "hybrid" also copy from (None: none)."""
     if kind not in DRAFTERS:
         raise UserError(f"Unknown drafter '{kind}'; choose one of {', '.join(DRAFTERS)}.")
-    if kind in ("lookup", "retrieval"):
-        return LookupDrafter(
-            None, branches, length, corpus=corpus if kind == "retrieval" else None, context=kind in LOOKUP_DRAFTERS
-        )
+    corpus = corpus if kind in RETRIEVAL_DRAFTERS else None
+    if kind not in HEAD_DRAFTERS:
+        return LookupDrafter(None, branches, length, corpus=corpus, context=kind in LOOKUP_DRAFTERS)
     if kind == "medusa" and tree.size == 1:
         raise UserError(
             f"{tree_name} has no paths, so the heads would draft nothing; choose a tree with paths such as "

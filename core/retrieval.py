@@ -34,6 +34,7 @@ RETRIEVAL_LENGTH = 8  # tokens a retrieved continuation runs to (the policy cuts
 SAMPLE = 256  # occurrences followed per query, evenly spread over the range (a common phrase has thousands)
 SEPARATOR = -1  # between documents: sorts before every token and never matches one
 FORMAT = 1  # of the corpus file
+EVIDENCE_CLASSES = 5  # how strongly the corpus can back a draft (see `evidence`)
 
 
 class SuffixIndex:
@@ -96,8 +97,8 @@ class Corpus:
         return self.base.nbytes + self.recent.nbytes
 
     def add(self, docs: Iterable[Sequence[int]]) -> None:
-        """Index more replies: only the small second index is rebuilt, and it joins the first once
-        it is as large (so adding n tokens one reply at a time costs O(n log n) in all)."""
+        """Index more replies: only the second index is rebuilt (never larger than the first), and
+        it joins the first once it is as large, so the first at least doubles at each merge."""
         self.own.extend(list(d) for d in docs if len(d) > MIN_MATCH)
         if sum(map(len, self.own)) >= len(self.base):
             self.base = SuffixIndex([*_documents(self.base.ids), *self.own])
@@ -124,9 +125,6 @@ class Corpus:
                     if cut:
                         paths.append(tuple(path[:cut]))
         return _greedy_paths(paths, branches)
-
-
-EVIDENCE_CLASSES = 5
 
 
 def evidence(share: float, support: int) -> int:
