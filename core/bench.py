@@ -140,12 +140,14 @@ def _run_hf(
     calls = [0]
     hook = model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     try:
-        torch.manual_seed(seed)
         ids = torch.tensor([prompt_ids], device=model.device)
-        start = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), **options)
-        seconds = time.perf_counter() - start
+        # generate() samples from torch's own generator: seed it inside a fork that restores it
+        with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), **options)
+            seconds = time.perf_counter() - start
     finally:
         hook.remove()
     return tuple(out[0, len(prompt_ids) :].tolist()), calls[0], seconds

@@ -18,7 +18,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True)
     p.add_argument("--system", help="system prompt")
     p.add_argument("--mode", default="medusa", choices=MODES, help="medusa: tree decoding")
-    p.add_argument("--num-samples", type=int, default=1, help="independent samples (seeded from --seed)")
+    p.add_argument(
+        "--num-samples", type=int, default=1, help="independent samples (sample i is seeded with --seed + i)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     decoding_options(p)
 
@@ -35,10 +37,12 @@ def run(args: argparse.Namespace) -> int:
     settings, backbone, drafters, preset, costs = setup(args, None if args.mode == "medusa" else ())
     drafter = next(iter(drafters.values()), None)
     prompt_ids = backbone.encode_chat(args.prompt, args.system)
-    generator = torch.Generator(backbone.model.device).manual_seed(args.seed)
     painter = _Painter(enabled=not args.json and sys.stdout.isatty())
     samples = []
-    for _ in range(args.num_samples):
+    for i in range(args.num_samples):
+        # one generator per sample: how many draws a sample's last step spends (it follows the
+        # trees the policy picks from timings) must not change the samples after it
+        generator = torch.Generator(backbone.model.device).manual_seed(args.seed + i)
         events = stream(
             backbone.model,
             prompt_ids,

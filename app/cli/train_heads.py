@@ -71,12 +71,13 @@ def run(args: argparse.Namespace) -> int:
     for p in lm_head.parameters():
         p.requires_grad_(False)
     vocab, hidden = lm_head.weight.shape
-    torch.manual_seed(args.seed)
     subset = None
     if not args.own_lm_head and not args.full_vocab:
         subset = torch.unique(data.targets[data.targets >= 0])  # every token the model wrote
         print(f"heads read out over the {len(subset)} tokens the model wrote (of {vocab})", file=sys.stderr)
-    heads = MedusaHeads(hidden, vocab, args.num_heads, args.layers, None if args.own_lm_head else lm_head, subset)
+    with torch.random.fork_rng(devices=[]):  # seeded initial weights, torch's own generator left as it was
+        torch.manual_seed(args.seed)
+        heads = MedusaHeads(hidden, vocab, args.num_heads, args.layers, None if args.own_lm_head else lm_head, subset)
     heads = heads.to(device=model.device, dtype=torch.float32)
     targets = heads.target_index(data.targets.to(model.device))
     data = train.Features(data.hidden.to(model.device), targets, data.source)

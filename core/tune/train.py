@@ -243,7 +243,7 @@ def train(
     seed: int = 0,
 ) -> Iterator[tuple[int, float, HeadAccuracy | None]]:
     """Train in place; yields (step, loss) every batch and the held-out accuracy after each epoch."""
-    torch.manual_seed(seed)
+    shuffle = torch.Generator().manual_seed(seed)
     train_idx, val_idx = split(len(data.hidden), held_out, seed, data.source)
     params = [p for p in heads.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
@@ -252,7 +252,7 @@ def train(
     step = 0
     for _ in range(epochs):
         heads.train()
-        order = train_idx[torch.randperm(len(train_idx))]
+        order = train_idx[torch.randperm(len(train_idx), generator=shuffle)]
         for b in range(0, len(order), batch_size):
             i = order[b : b + batch_size]
             with _fast_matmuls(data.hidden.device):
