@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ import torch
 
 from core import fast
 from core.drafters import make_drafter
+from core.eagle import EagleDraft
 from core.errors import UserError
 from core.generate import Finished, StepEvent, context_length, stream
 from core.history import Fitted, fit_history
@@ -31,7 +33,7 @@ from core.tree import AUTO, DRAFTERS, Preset, load_preset, preset_names
 from core.tune.auto import auto_drafter
 from core.tune.costs import StepCosts
 from core.worker import ComputeThread
-from models.loader import Backbone, corpus_for, heads_for, load_backbone, resolve, resolve_heads, step_costs
+from models.loader import Backbone, corpus_for, eagle_for, heads_for, load_backbone, resolve, resolve_heads, step_costs
 
 LEARN_BATCH = 100  # saved replies tokenized per compute job
 log = logging.getLogger("medusa-chat")
@@ -73,6 +75,7 @@ class Loaded:
     default_tree: str  # the model's calibrated preset (what the policy's priors come from)
     costs: StepCosts  # this machine's step-cost curve for the model, measured once
     corpus: Corpus | None = None  # the model's past replies, for retrieval drafting (None: none ships)
+    eagle: EagleDraft | None = None  # the EAGLE draft layer (None: none ships or was given)
 
 
 class Engine:
@@ -80,8 +83,10 @@ class Engine:
     also copies from (with every reply finished here); None: neither (the user opted out)."""
 
     def __init__(self, model: str, dtype: str = "auto", device: str = "auto", quantization: str = "auto",
-                 heads: str | None = None, past_replies: Callable[[], list[str]] | None = None) -> None:  # fmt: skip
+                 heads: str | None = None, past_replies: Callable[[], list[str]] | None = None,
+                 eagle: str | None = None) -> None:  # fmt: skip
         self.options = {"dtype": dtype, "device": device, "quantization": quantization}
+        self.eagle_arg = eagle
         self.past_replies = past_replies
         self.heads_arg = heads
         self.model_id = model
@@ -113,7 +118,13 @@ class Engine:
             heads_dir = resolve_heads(self.heads_arg) if own else spec.heads_folder
             heads, trained = heads_for(backbone, heads_dir)
             default = spec.tree if spec.tree in preset_names() else "cpu-16"
-            return Loaded(backbone, heads, trained, default, step_costs(backbone, heads), corpus_for(backbone))
+            try:
+                eagle = eagle_for(backbone, self.eagle_arg if model == self.model_id else None)
+            except UserError as e:  # a bad --eagle file costs the EAGLE drafter, not the model
+                print(f"{e} The EAGLE drafter is off.", file=sys.stderr)
+                eagle = None
+            costs = step_costs(backbone, heads)
+            return Loaded(backbone, heads, trained, default, costs, corpus_for(backbone), eagle)
 
         loaded = self.compute.call(build)
         self.loaded, self.model_id, self.error = loaded, model, None
@@ -174,14 +185,15 @@ class Engine:
         if tree_name == AUTO:
             preset = load_preset(loaded.default_tree)
             drafter = auto_drafter(
-                kind or preset.drafter, loaded.heads, loaded.costs.curve, preset, loaded.trained, loaded.corpus
-            )
+                kind or preset.drafter, loaded.heads, loaded.costs.curve, preset, loaded.trained, loaded.corpus,
+                loaded.eagle,
+            )  # fmt: skip
         else:
             preset = load_preset(tree_name)
             tree = preset.tree.to(loaded.backbone.model.device)
             drafter = make_drafter(
                 kind or preset.drafter, loaded.heads, tree, f"Tree '{preset.name}'",
-                preset.lookup_branches, preset.lookup_length, loaded.corpus,
+                preset.lookup_branches, preset.lookup_length, loaded.corpus, loaded.eagle,
             )  # fmt: skip
         return preset, drafter
 

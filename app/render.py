@@ -43,6 +43,7 @@ SOURCE_LABEL = {
     "context": "copied from the conversation",
     "both": "from both",
     "retrieval": "copied from the model's past replies",
+    "eagle": "drafted by the EAGLE layer",
 }
 LINK_REL = "noopener noreferrer nofollow"
 
@@ -312,12 +313,13 @@ def _link_tail(text: str, pos: int) -> int | None:
 
 
 def step_source(sources: tuple[str, ...]) -> str:
-    """One label for a step's accepted drafts: "context" or "retrieval" when that lookup proposed
-    them all (some also by the heads), "heads" when the heads did, "both" when both did throughout."""
+    """One label for a step's accepted drafts: "context", "retrieval" or "eagle" when that source
+    proposed them all (some also by the heads), "heads" when the heads did, "both" when both did
+    throughout."""
     kinds = set(sources)
     if not kinds or kinds == {"both"}:
         return "both" if kinds else ""
-    for lookup in ("context", "retrieval"):
+    for lookup in ("context", "retrieval", "eagle"):
         if kinds <= {lookup, "both"}:
             return lookup
     return "heads"
@@ -331,7 +333,8 @@ LEGEND = (
     '<span class="st c3 src-heads">solid underline</span> = drafted by the Medusa heads, '
     '<span class="st c4 src-context">dashed underline</span> = copied from the conversation, '
     '<span class="st c5 src-both">double underline</span> = proposed by both, '
-    '<span class="st c0 src-retrieval">dotted underline</span> = copied from the model\'s past replies. '
+    '<span class="st c0 src-retrieval">dotted underline</span> = copied from the model\'s past replies, '
+    '<span class="st c1 src-eagle">wavy underline</span> = drafted by the EAGLE layer. '
     "Hover a run for its step.</div>"
 )
 
@@ -410,12 +413,12 @@ def tree_html(
     """The candidate tree of one step as nested lists; the accepted path highlighted.
 
     tokens[i] is the text of node i (node 0 the root, its own parent); sources[i] says where
-    node i came from ("heads", "context", "both", "retrieval")."""
+    node i came from ("heads", "context", "both", "retrieval", "eagle")."""
     children: dict[int, list[int]] = {}
     for i in range(1, len(parents)):
         children.setdefault(parents[i], []).append(i)
     on_path = set(accepted_path)
-    tag = {"heads": "", "context": "ctx", "both": "both", "retrieval": "past"}
+    tag = {"heads": "", "context": "ctx", "both": "both", "retrieval": "past", "eagle": "eagle"}
 
     def node(i: int) -> str:
         cls = "node accepted" if i in on_path else "node"

@@ -137,10 +137,11 @@ def build(engine: Engine) -> gr.Blocks:
                     )  # fmt: skip
                     drafter = gr.Dropdown(
                         [("The tree's own", ""), ("Heads + context + past replies (hybrid)", "hybrid"),
-                         ("Medusa heads", "medusa"), ("Context lookup", "lookup"), ("Past replies", "retrieval")],
+                         ("Medusa heads", "medusa"), ("Context lookup", "lookup"), ("Past replies", "retrieval"),
+                         ("EAGLE layer + context + past replies", "eagle")],
                         value=saved["drafter"], label="Drafter", elem_id="drafter",
                         info="Where drafts come from: the heads, copies from the conversation or from the model's "
-                        "past replies, or all in one tree",
+                        "past replies, all in one tree, or the EAGLE draft layer",
                     )  # fmt: skip
                     colors = gr.Checkbox(value=saved["colors"], label="Color the tokens of each step", elem_id="colors")
                     system = gr.Textbox(value=saved["system"], label="System prompt", lines=2)

@@ -20,6 +20,7 @@ from core.step import Draft
 from core.tree import (
     CONTEXT,
     DRAFTERS,
+    EAGLE_DRAFTERS,
     HEAD_DRAFTERS,
     LOOKUP_DRAFTERS,
     RETRIEVAL,
@@ -101,12 +102,18 @@ def make_drafter(
     branches: int = 2,
     length: int = 4,
     corpus: Corpus | None = None,
-) -> MedusaDrafter | LookupDrafter:
+    eagle=None,
+):
     """The drafter called `kind` (one of DRAFTERS); `corpus`: the past replies "retrieval" and
-    "hybrid" also copy from (None: none)."""
+    "hybrid" also copy from (None: none); `eagle`: the EAGLE draft layer "eagle" drafts with, up
+    to as many nodes as `tree` has."""
     if kind not in DRAFTERS:
         raise UserError(f"Unknown drafter '{kind}'; choose one of {', '.join(DRAFTERS)}.")
     corpus = corpus if kind in RETRIEVAL_DRAFTERS else None
+    if kind in EAGLE_DRAFTERS:
+        from core.eagle_tree import eagle_drafter
+
+        return eagle_drafter(eagle, corpus=corpus, budget=tree.size - 1, branches=branches, length=length)
     if kind not in HEAD_DRAFTERS:
         return LookupDrafter(None, branches, length, corpus=corpus, context=kind in LOOKUP_DRAFTERS)
     if kind == "medusa" and tree.size == 1:

@@ -145,6 +145,15 @@ def _fuse(parent: nn.Module, names: tuple[str, ...], kernel: str) -> PackedLinea
     return fused
 
 
+def pack_layer(layer: nn.Module, kernel: str) -> None:
+    """Pack one decoder layer's linear layers in place (q/k/v and gate/up fused), for `LeanLayer`."""
+    attn, mlp = layer.self_attn, layer.mlp
+    attn.qkv = _fuse(attn, ("q_proj", "k_proj", "v_proj"), kernel)
+    attn.o_proj = PackedLinear(attn.o_proj.weight, attn.o_proj.bias, kernel)
+    mlp.gate_up = _fuse(mlp, ("gate_proj", "up_proj"), kernel)
+    mlp.down_proj = PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, kernel)
+
+
 def accelerate(model: nn.Module, kernel: str, head_kernel: str) -> FastForward:
     """Pack the model's linear layers (in place) and give it a FastForward, which every
     consumer of the model (`core.cache.new_cache`, `core.step`) then uses.
@@ -152,11 +161,7 @@ def accelerate(model: nn.Module, kernel: str, head_kernel: str) -> FastForward:
     Decoder layers get `kernel` with q/k/v and gate/up fused into one matmul each; the lm_head
     gets `head_kernel` and keeps its `weight` (tied to the embedding), which Medusa heads read."""
     for layer in model.base_model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv = _fuse(attn, ("q_proj", "k_proj", "v_proj"), kernel)
-        attn.o_proj = PackedLinear(attn.o_proj.weight, attn.o_proj.bias, kernel)
-        mlp.gate_up = _fuse(mlp, ("gate_proj", "up_proj"), kernel)
-        mlp.down_proj = PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, kernel)
+        pack_layer(layer, kernel)
     head = model.get_output_embeddings()
     packed = PackedLinear(head.weight, head.bias, head_kernel)
     packed.weight = head.weight
@@ -192,7 +197,7 @@ def forward_of(model: nn.Module) -> FastForward | None:
 def layer_kernel(model: nn.Module) -> str | None:
     """The decoder layers' PackedLinear kernel, or None where the transformers forward runs."""
     forward = forward_of(model)
-    return forward.layers[0][1].kernel if forward is not None and forward.layers else None
+    return forward.layers[0].qkv.kernel if forward is not None and forward.layers else None
 
 
 def describe(model: nn.Module) -> str:
@@ -208,8 +213,10 @@ class StaticKV:
     """Keys and values of every layer in two pre-allocated tensors, (layers, kv heads, capacity,
     head dim); the first `length` positions are the committed prefix."""
 
-    def __init__(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, capacity: int = 256) -> None:
-        self.keys = torch.zeros(layers, heads, capacity, head_dim, dtype=dtype)
+    def __init__(
+        self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, capacity: int = 256, device=None
+    ) -> None:
+        self.keys = torch.zeros(layers, heads, capacity, head_dim, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         self.length = 0
 
@@ -241,6 +248,72 @@ class StaticKV:
         self.length = end
 
 
+class Rope:
+    """Rotary cos and sin by position, from a table grown as positions grow (rotate-half
+    convention, the sign folded into sin)."""
+
+    def __init__(self, rotary: nn.Module, head_dim: int, dtype: torch.dtype) -> None:
+        self.rotary, self.head_dim, self.dtype = rotary, head_dim, dtype
+        self._cos = self._sin = torch.empty(0)
+
+    def __call__(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and sin (T, 1, head dim) at (T,) `positions`."""
+        top = int(positions.max()) + 1
+        if top > self._cos.shape[0]:
+            size = max(top, 2 * self._cos.shape[0], 256)
+            probe = torch.zeros(1, dtype=self.dtype, device=positions.device)
+            cos, sin = self.rotary(probe, torch.arange(size, device=positions.device).view(1, -1))
+            half = self.head_dim // 2
+            sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)]).to(sin)
+            self._cos, self._sin = cos[0], sin[0] * sign
+        t = positions.numel()
+        return self._cos[positions].view(t, 1, -1), self._sin[positions].view(t, 1, -1)
+
+
+class LeanLayer:
+    """One decoder layer (packed by `pack_layer`) writing its keys and values into slot `index`
+    of a StaticKV: RMSNorm → GQA attention with rotary positions → RMSNorm → SwiGLU MLP."""
+
+    def __init__(self, layer: nn.Module, config, index: int) -> None:
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.inner = config.intermediate_size
+        self.index = index
+        self.norm1, self.norm2 = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
+        self.qkv, self.o_proj = layer.self_attn.qkv, layer.self_attn.o_proj
+        self.gate_up, self.down = layer.mlp.gate_up, layer.mlp.down_proj
+
+    def __call__(self, x: Tensor, rope: tuple[Tensor, Tensor], cache: StaticKV, past: int, mask, causal: bool):
+        """(T, H) residual stream in and out; the T new keys and values go to [past, past + T)."""
+        t, end, i = x.shape[0], past + x.shape[0], self.index
+        heads, kv, d = self.heads, self.kv_heads, self.head_dim
+        qkv = self.qkv(self.norm1(x))
+        qk = _rotate(qkv[:, : self.q_size + self.kv_size].view(t, heads + kv, d), *rope)
+        cache.keys[i, :, past:end] = qk[:, heads:].transpose(0, 1)
+        cache.values[i, :, past:end] = qkv[:, self.q_size + self.kv_size :].view(t, kv, d).transpose(0, 1)
+        a = F.scaled_dot_product_attention(
+            qk[:, :heads].transpose(0, 1).unsqueeze(0),
+            cache.keys[i, :, :end].unsqueeze(0),
+            cache.values[i, :, :end].unsqueeze(0),
+            attn_mask=mask,
+            is_causal=causal,
+            enable_gqa=heads != kv,
+        )
+        x = x + self.o_proj(a[0].transpose(0, 1).reshape(t, -1))
+        gu = self.gate_up(self.norm2(x))
+        return x + self.down(F.silu(gu[:, : self.inner]) * gu[:, self.inner :])
+
+
+def causal_mask(t: int, past: int, dtype: torch.dtype, device=None) -> Tensor:
+    """(1, 1, t, past + t) additive mask of a causal block after `past` cached positions."""
+    mask = torch.zeros(1, 1, t, past + t, dtype=dtype, device=device)
+    hidden = torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
+    mask[0, 0, :, past:].masked_fill_(hidden, torch.finfo(dtype).min)
+    return mask
+
+
 class FastForward:
     """Embedding → decoder layers → final norm of a Llama-family model, on a StaticKV."""
 
@@ -248,43 +321,16 @@ class FastForward:
         base = model.base_model
         config = model.config.get_text_config()
         self.embed = base.embed_tokens
-        self.rotary = base.rotary_emb
-        self.heads = config.num_attention_heads
-        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.layers = [LeanLayer(layer, config, i) for i, layer in enumerate(base.layers)]
+        first = self.layers[0]
+        self.kv_heads, self.head_dim = first.kv_heads, first.head_dim
         self.dtype = model.dtype
-        self.q_size = self.heads * self.head_dim
-        self.kv_size = self.kv_heads * self.head_dim
-        self.inner = config.intermediate_size
-        self.layers = [
-            (
-                _norm(layer.input_layernorm),
-                layer.self_attn.qkv,
-                layer.self_attn.o_proj,
-                _norm(layer.post_attention_layernorm),
-                layer.mlp.gate_up,
-                layer.mlp.down_proj,
-            )
-            for layer in base.layers
-        ]
+        self.rope = Rope(base.rotary_emb, self.head_dim, self.dtype)
         self.final_norm = _norm(base.norm)
-        self._cos = self._sin = torch.empty(0)
         self.row_head = False  # a tree's logits a node at a time (set by `accelerate`, measured)
 
     def new_cache(self) -> StaticKV:
         return StaticKV(len(self.layers), self.kv_heads, self.head_dim, self.dtype)
-
-    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos and sin (T, head dim) at `positions`, from a table grown as positions grow."""
-        top = int(positions.max()) + 1
-        if top > self._cos.shape[0]:
-            size = max(top, 2 * self._cos.shape[0], 256)
-            probe = torch.zeros(1, dtype=self.dtype)
-            cos, sin = self.rotary(probe, torch.arange(size).view(1, -1))
-            half = self.head_dim // 2
-            sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)]).to(sin.dtype)
-            self._cos, self._sin = cos[0], sin[0] * sign  # the sign of rotate-half folded into sin
-        return self._cos[positions], self._sin[positions]
 
     def __call__(self, ids: Tensor, positions: Tensor, mask: Tensor | None, cache: StaticKV) -> Tensor:
         """(T,) tokens at (T,) positions after the cache's prefix → (T, H) final hidden states.
@@ -292,40 +338,23 @@ class FastForward:
         `mask`: (1, 1, T, past + T) additive float mask, or None for causal attention. The T new
         keys and values are appended to the cache."""
         t, past = ids.numel(), cache.length
-        end = past + t
-        cache.reserve(end)
-        cos, sin = self._rope(positions)
-        cos, sin = cos.view(t, 1, self.head_dim), sin.view(t, 1, self.head_dim)
+        cache.reserve(past + t)
         causal = mask is None and t > 1
         if causal and past:  # a causal block after a prefix: build the mask (prefill on top of a cache)
-            mask = torch.zeros(1, 1, t, end, dtype=self.dtype)
-            mask[0, 0, :, past:].masked_fill_(torch.ones(t, t, dtype=torch.bool).triu(1), torch.finfo(self.dtype).min)
-            causal = False
+            mask, causal = causal_mask(t, past, self.dtype), False
+        rope = self.rope(positions)
         x = self.embed(ids)
-        heads, kv, d = self.heads, self.kv_heads, self.head_dim
-        inner = self.inner
-        for i, (norm1, qkv_proj, o_proj, norm2, gate_up, down) in enumerate(self.layers):
-            qkv = qkv_proj(norm1(x))
-            qk = _rotate(qkv[:, : self.q_size + self.kv_size].view(t, heads + kv, d), cos, sin)
-            cache.keys[i, :, past:end] = qk[:, heads:].transpose(0, 1)
-            cache.values[i, :, past:end] = qkv[:, self.q_size + self.kv_size :].view(t, kv, d).transpose(0, 1)
-            a = F.scaled_dot_product_attention(
-                qk[:, :heads].transpose(0, 1).unsqueeze(0),
-                cache.keys[i, :, :end].unsqueeze(0),
-                cache.values[i, :, :end].unsqueeze(0),
-                attn_mask=mask,
-                is_causal=causal,
-                enable_gqa=heads != kv,
-            )
-            x = x + o_proj(a[0].transpose(0, 1).reshape(t, -1))
-            gu = gate_up(norm2(x))
-            x = x + down(F.silu(gu[:, :inner]) * gu[:, inner:])
-        cache.length = end
+        for layer in self.layers:
+            x = layer(x, rope, cache, past, mask, causal)
+        cache.length = past + t
         return self.final_norm(x)
 
 
 def _norm(module: nn.Module):
-    """An RMSNorm module as one fused call (same maths as transformers' Llama RMSNorm)."""
+    """An RMSNorm module as one fused call (same maths as transformers' Llama RMSNorm); an
+    nn.Identity (a layer without that norm) as itself."""
+    if isinstance(module, nn.Identity):
+        return module
     weight = module.weight
     eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps", 1e-6)
     shape = (weight.shape[0],)

@@ -122,6 +122,9 @@ def stream(
         fwd = prefill(model, cache, torch.tensor(prompt_ids, device=device))
         root = first_token(fwd, settings, generator)
         hidden = fwd.hidden[-1]
+        feed = getattr(drafter, "feed", None)  # drafters that read every committed feature (EAGLE)
+        if feed is not None:
+            feed(fwd.features, torch.tensor([*prompt_ids[1:], int(root)], device=device), 0)
         new, reason = _trim([int(root)], out, eos, limit)
         out += new
         history = [*prompt_ids, *new]
@@ -147,7 +150,10 @@ def stream(
             result = accept(fwd, draft, settings, generator)
             commit(cache, prefix_len, result)
             hidden, root = fwd.hidden[result.path[-1]], result.next_token
-            tokens = torch.cat([draft.tokens[result.path[1:]], root.view(1)]).tolist()
+            emitted = torch.cat([draft.tokens[result.path[1:]], root.view(1)])
+            if feed is not None:
+                feed(fwd.hidden[result.path], emitted, prefix_len)
+            tokens = emitted.tolist()
             if observe := getattr(drafter, "observe", None):  # adaptive drafters learn from each step
                 observe(draft, tokens, time.perf_counter() - t0)
             new, reason = _trim(tokens, out, eos, limit)

@@ -43,7 +43,10 @@ class Drafter(Protocol):
 
     # A drafter that adapts also has `observe(draft, emitted, seconds)`, called after the step
     # that verified `draft` with the tokens it emitted (accepted drafts, then the backbone's own)
-    # and its wall time.
+    # and its wall time. A drafter that reads the backbone's features (EAGLE) also has
+    # `feed(features, next_ids, position)`: the (n, H) hidden states of the positions committed
+    # from `position` on (the prompt after the prefill, the accepted path after a step) and the
+    # token after each, the last one the next root.
 
 
 class NoDrafter:
@@ -80,6 +83,7 @@ class RowLogits:
 class Forward:
     logits: Tensor | RowLogits  # (T, V) the backbone's next-token logits at each input position
     hidden: Tensor  # (T, H) last hidden state (after the final norm) at each position
+    features: Tensor | None = None  # prefill: (n, H) the hidden state at every prompt position
 
 
 def project(model: PreTrainedModel, hidden: Tensor) -> Tensor:
@@ -93,12 +97,12 @@ def prefill(model: PreTrainedModel, cache: kv.Cache, ids: Tensor) -> Forward:
     """Run the prompt (n,) into the cache; logits and hidden state of its last position."""
     if isinstance(cache, fast.StaticKV):
         past = cache.length
-        hidden = fast.forward_of(model)(ids, torch.arange(past, past + ids.numel(), device=ids.device), None, cache)
-        hidden = hidden[-1:]
+        every = fast.forward_of(model)(ids, torch.arange(past, past + ids.numel(), device=ids.device), None, cache)
     else:
         out = model.base_model(input_ids=ids.view(1, -1), past_key_values=cache, use_cache=True)
-        hidden = out.last_hidden_state[0, -1:]  # (1, H)
-    return Forward(project(model, hidden), hidden)
+        every = out.last_hidden_state[0]  # (n, H)
+    hidden = every[-1:]
+    return Forward(project(model, hidden), hidden, every)
 
 
 def verify(model: PreTrainedModel, cache: kv.Cache, draft: Draft) -> Forward:

@@ -23,16 +23,20 @@ from core.errors import UserError
 Path_ = tuple[int, ...]
 
 
-# where a node's token came from ("both": the heads and a lookup; "retrieval": the model's past replies)
-SOURCES = ("root", "heads", "context", "both", "retrieval")
+# where a node's token came from ("both": the heads and a lookup; "retrieval": the model's past
+# replies; "eagle": the EAGLE draft layer)
+SOURCES = ("root", "heads", "context", "both", "retrieval", "eagle")
 DRAFT_SOURCES = SOURCES[1:]  # where an accepted drafted token came from
-# heads only, context only, past replies only, all in one tree
-DRAFTERS = ("medusa", "lookup", "retrieval", "hybrid")
+# heads only, context only, past replies only, all in one tree, the EAGLE layer with both lookups
+DRAFTERS = ("medusa", "lookup", "retrieval", "hybrid", "eagle")
 HEAD_DRAFTERS = ("medusa", "hybrid")  # the drafters that need Medusa heads
-LOOKUP_DRAFTERS = ("lookup", "hybrid")  # the drafters that copy from the context
-RETRIEVAL_DRAFTERS = ("retrieval", "hybrid")  # the drafters that copy from the model's past replies
+LOOKUP_DRAFTERS = ("lookup", "hybrid", "eagle")  # the drafters that copy from the context
+RETRIEVAL_DRAFTERS = ("retrieval", "hybrid", "eagle")
+EAGLE_DRAFTERS = (
+    "eagle",
+)  # the drafters that need an EAGLE draft layer  # the drafters that copy from the model's past replies
 AUTO = "auto"  # the tree name that lets the speculation policy choose each step's tree (the default)
-ROOT, HEADS, CONTEXT, BOTH, RETRIEVAL = range(5)
+ROOT, HEADS, CONTEXT, BOTH, RETRIEVAL, EAGLE = range(6)
 
 
 @dataclass(frozen=True)

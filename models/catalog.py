@@ -38,6 +38,7 @@ class Entry:
     memory_gb_4bit: float  # approximate memory once loaded in 4-bit
     license: str  # short license note
     notes: str = ""
+    eagle: Source | None = None  # a published EAGLE-1/2 drafter for this backbone (None: none)
 
     @property
     def embedded(self) -> bool:
@@ -68,6 +69,7 @@ def entries() -> tuple[Entry, ...]:
             memory_gb_4bit=float(e["memory_gb_4bit"]),
             license=e["license"],
             notes=e.get("notes", ""),
+            eagle=_source(e.get("eagle")),
         )
         assert entry.head_format in HEAD_FORMATS, entry
         out.append(entry)

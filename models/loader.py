@@ -17,11 +17,13 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from core import fast
+from core.eagle import EagleDraft, load_draft
 from core.errors import UserError
 from core.retrieval import Corpus, load_corpus
 from core.tune import costs, kernels
 from models import catalog, hub
 from models.cpu import transpose_linears
+from models.eagle_formats import EAGLE_FILES, load_published
 from models.embedded import EMBEDDED_ID, cache_dir, embedded_dir
 from models.heads import MedusaHeads, load_heads
 
@@ -308,6 +310,41 @@ def corpus_for(backbone: Backbone) -> Corpus | None:
     except UserError as e:
         print(f"{e} Drafting goes on without it.", file=sys.stderr)
         return None
+
+
+def eagle_for(backbone: Backbone, source: str | Path | None = None, on_progress=None) -> EagleDraft | None:
+    """The EAGLE draft layer to draft with: `source` (see `_eagle_from`) or, without one, the
+    catalog model's published drafter, else the one that ships with it (None if none ships; one
+    sentence on stderr, and None, if the shipped one cannot be used)."""
+    if source:
+        return _eagle_from(str(source), backbone, on_progress)
+    entry = catalog.find(backbone.name)
+    if entry is not None and entry.eagle is not None:  # a published drafter, fetched when first asked for
+        folder = _fetch_source(entry.eagle, f"the EAGLE drafter for {entry.name}", on_progress)
+        return load_published(folder, backbone.model)
+    file = Path(str(resources.files("assets") / "eagle" / f"{backbone.name}.safetensors"))
+    if not re.fullmatch(r"[\w.-]+", backbone.name) or not file.is_file():  # catalog ids only, not paths
+        return None
+    try:
+        return load_draft(file, backbone.model, backbone.name)[0]
+    except UserError as e:
+        print(f"{e} Drafting goes on without it.", file=sys.stderr)
+        return None
+
+
+def _eagle_from(name: str, backbone: Backbone, on_progress) -> EagleDraft:
+    """--eagle: a drafter file from `train-drafter`, or an EAGLE-1/2 checkpoint's folder or hub repo id."""
+    local = Path(name).expanduser()
+    if local.is_file():
+        return load_draft(local, backbone.model, backbone.name)[0]
+    if local.is_dir():
+        return load_published(local, backbone.model)
+    if local.exists() or not _is_repo_id(name):
+        raise UserError(
+            f"No EAGLE drafter '{name}'; pass a .safetensors file from `train-drafter --kind eagle`, "
+            "or an EAGLE checkpoint's folder or hub repo id (org/name)."
+        )
+    return load_published(hub.fetch(name, patterns=EAGLE_FILES, on_progress=on_progress), backbone.model)
 
 
 def heads_for(backbone: Backbone, heads_dir: str | Path | None, num_heads: int = 4) -> tuple[MedusaHeads, bool]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from core.errors import UserError
 from core.settings import ACCEPTANCE_RULES, DecodeSettings
-from core.tree import AUTO, DRAFTERS, HEAD_DRAFTERS, RETRIEVAL_DRAFTERS
+from core.tree import AUTO, DRAFTERS, EAGLE_DRAFTERS, HEAD_DRAFTERS, RETRIEVAL_DRAFTERS
 
 
 def model_options(p: argparse.ArgumentParser, heads: bool = True) -> None:
@@ -21,6 +21,7 @@ def model_options(p: argparse.ArgumentParser, heads: bool = True) -> None:
     p.add_argument("--model", default=EMBEDDED_ID, help="catalog id, hub repo id or model folder")
     if heads:
         p.add_argument("--heads", help="Medusa heads: a folder or a hub repo id (default: the model's own)")
+        p.add_argument("--eagle", help="EAGLE drafter file for --drafter eagle (default: the one the model ships with)")
     p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES), help="auto: measured on this machine")
     p.add_argument("--device", default="auto", type=device_name, help="auto, cpu, cuda or cuda:N")
     p.add_argument(
@@ -43,7 +44,7 @@ def decoding_options(p: argparse.ArgumentParser) -> None:
         "--drafter",
         choices=DRAFTERS,
         help="medusa: heads; lookup: copies from the conversation; retrieval: copies from the model's past replies; "
-        "hybrid: all in one tree (default: the tree's)",
+        "hybrid: all in one tree; eagle: an EAGLE draft layer and both lookups (default: the tree's)",
     )
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--stop", action="append", default=[], type=stop_string, help="stop string (repeatable)")
@@ -97,7 +98,7 @@ def setup(args: argparse.Namespace, kinds: tuple[str, ...] | None, fixed: tuple[
     from core.drafters import make_drafter
     from core.tree import load_preset, preset_names
     from core.tune.auto import auto_drafter
-    from models.loader import corpus_for, heads_for, load_backbone, resolve, resolve_heads, step_costs
+    from models.loader import corpus_for, eagle_for, heads_for, load_backbone, resolve, resolve_heads, step_costs
 
     decode = settings(args)
     auto = args.tree in (None, AUTO)
@@ -121,15 +122,17 @@ def setup(args: argparse.Namespace, kinds: tuple[str, ...] | None, fixed: tuple[
             )
     device = backbone.model.device
     corpus = corpus_for(backbone) if any(k in RETRIEVAL_DRAFTERS for k in kinds_all) else None
+    eagle = eagle_for(backbone, getattr(args, "eagle", None)) if any(k in EAGLE_DRAFTERS for k in kinds_all) else None
 
     def fixed_drafter(kind: str, p):
         tree = p.tree.to(device)
-        return make_drafter(kind, heads, tree, f"Tree '{p.name}'", p.lookup_branches, p.lookup_length, corpus)
+        name = f"Tree '{p.name}'"
+        return make_drafter(kind, heads, tree, name, p.lookup_branches, p.lookup_length, corpus, eagle)
 
     costs = None  # the machine's step-cost curve (the caller measures it when `needed`, at an idle moment)
     if auto and kinds:
         costs = step_costs(backbone, heads if any(k in HEAD_DRAFTERS for k in kinds) else None)
-        drafters = {k: auto_drafter(k, heads, costs.curve, preset, trained, corpus) for k in kinds}
+        drafters = {k: auto_drafter(k, heads, costs.curve, preset, trained, corpus, eagle) for k in kinds}
     else:
         drafters = {k: fixed_drafter(k, preset) for k in kinds}
     drafters |= {f: fixed_drafter(f.partition("@")[0], p) for f, p in fixed_presets.items()}

@@ -11,13 +11,21 @@ from pathlib import Path
 from app.cli.options import answer_prompts, model_options, read_prompts
 from core.errors import UserError
 
-HELP = "build a drafter for a model from its own replies (--kind retrieval: an index of past replies)"
-KINDS = ("retrieval",)
+HELP = (
+    "build a drafter for a model from its own replies (--kind retrieval: an index of past replies; "
+    "eagle: a trained EAGLE draft layer)"
+)
+KINDS = ("retrieval", "eagle")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     model_options(p, heads=False)
-    p.add_argument("--kind", choices=KINDS, default="retrieval", help="retrieval: a suffix index of the replies")
+    p.add_argument(
+        "--kind",
+        choices=KINDS,
+        default="retrieval",
+        help="retrieval: a suffix index of the replies; eagle: a draft layer",
+    )
     p.add_argument("--prompts", required=True, help='JSONL seed prompts, one {"prompt": ...} per line')
     p.add_argument("--out", required=True, help="the corpus file to write (.safetensors; a card goes beside it)")
     p.add_argument("--work-dir", help="transcripts go here (default: beside OUT); a rerun resumes")
@@ -25,6 +33,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=32, help="prompts per generation batch")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    eagle = p.add_argument_group("eagle")
+    eagle.add_argument("--epochs", type=int, default=4)
+    eagle.add_argument("--lr", type=float, default=1e-3)
+    eagle.add_argument("--passes", type=int, default=3, help="training-time test: draft depths trained together")
+    eagle.add_argument("--draft-vocab", type=int, default=8192, help="tokens the draft reads out over")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,6 +62,10 @@ def run(args: argparse.Namespace) -> int:
     answering = time.perf_counter() - started
     records = sorted(train.read_records(transcripts), key=lambda r: r["index"])  # reply i answers prompt i
 
+    if args.kind == "eagle":
+        from app.cli.train_eagle import train_eagle
+
+        return train_eagle(args, backbone, records, work, out, answered, answering)
     kept, held = replies.split(records, args.held_out, args.seed)
     corpus, _ = replies.build(kept)
     with tqdm(total=len(held), desc="replaying held-out replies", unit="reply") as bar:

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
     port = args.port or _free_port(args.host)
     past = None if args.no_past_replies else saved_replies
-    engine = Engine(args.model, args.dtype, args.device, args.quantization, args.heads, past)
+    engine = Engine(args.model, args.dtype, args.device, args.quantization, args.heads, past, args.eagle)
     engine.start()
     server = start(engine, args.host, port)
     url = server.url

@@ -14,6 +14,7 @@ from core.retrieval import RETRIEVAL_LENGTH, Corpus
 from core.step import Draft
 from core.tree import (
     CONTEXT,
+    EAGLE_DRAFTERS,
     HEAD_DRAFTERS,
     LOOKUP_DRAFTERS,
     RETRIEVAL,
@@ -135,10 +136,16 @@ def auto_drafter(
     preset: Preset,
     trained: bool = True,
     corpus: Corpus | None = None,
-) -> AutoDrafter:
+    eagle=None,
+):
     """The policy-driven drafter for `kind` ("medusa": heads only, "lookup": context only,
     "retrieval": the model's past replies in `corpus` only, "hybrid": all three), its heads' prior
-    from `preset`'s calibration (untrained heads start near 0)."""
+    from `preset`'s calibration (untrained heads start near 0); "eagle": the EAGLE draft layer
+    `eagle` with both lookups, each step's node count chosen from the costs."""
+    if kind in EAGLE_DRAFTERS:
+        from core.eagle_tree import eagle_drafter
+
+        return eagle_drafter(eagle, curve, corpus if kind in RETRIEVAL_DRAFTERS else None)
     use_heads = kind in HEAD_DRAFTERS and heads is not None
     prior = None
     if use_heads:

@@ -1,0 +1,297 @@
+"""The EAGLE drafter in the decode loop: the draft layer's own KV cache over the committed
+positions, a dynamic tree by draft confidence (EAGLE-2), sized to this machine's step costs.
+
+Positions follow the backbone's: after a step the backbone's cache holds tokens 0 … P − 1 and
+the root x_P is not yet in it; the draft's cache then holds entries 0 … P − 1, entry j read
+from (feature j, token j + 1), so the last entry's output predicts the feature at P and with it
+the token after the root. A drafted node at depth d sits at position P + d − 1 and attends to
+every committed entry, its ancestors and itself.
+
+The tree: the top `TOP_K` tokens under each expanded node, the `BEAM` most probable nodes of
+each depth expanded (one draft forward a depth), then the most probable nodes kept. How many
+is chosen each step where expected tokens per millisecond peak: a node's chance to be accepted
+is its path's draft probability times a factor learned from how steps really went, and a
+tree of N nodes costs the measured verify time at N + 1 nodes plus the drafting time. Where
+even the best tree is expected slower than a plain step, the step is plain; the features still
+reach the draft's cache (lazily, in one forward when drafting resumes).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from core import fast
+from core.eagle import EagleDraft
+from core.errors import UserError
+from core.lookup import NgramIndex
+from core.retrieval import RETRIEVAL_LENGTH, Corpus
+from core.step import Draft
+from core.tree import CONTEXT, EAGLE, RETRIEVAL, ROOT, build_tree, from_parents, graft
+from core.tune.policy import PRIOR_CURVE, CostCurve
+
+TOP_K = 8  # candidates under each expanded node
+BEAM = 4  # nodes expanded per depth
+DEPTH = 6  # how far ahead the draft looks
+BUDGETS = (2, 4, 6, 8, 12, 16, 24, 32)  # drafted-node counts a step may verify
+PROBE_EVERY = 8  # while plain steps win, draft every this many steps to keep measuring
+
+
+class LeanDraft:
+    """The draft model on packed weights: fc → one `fast.LeanLayer` → norm, on a StaticKV."""
+
+    def __init__(self, draft: EagleDraft, dtype: torch.dtype) -> None:
+        device = draft.fc.weight.device
+        kernel = "onednn" if device.type == "cpu" and fast.kernel_works("onednn", dtype) else "dense"
+        config = draft.layer.self_attn.config
+        layer = type(draft.layer)(config, 0)  # a copy to pack: the draft itself stays as it is
+        layer.input_layernorm = copy.deepcopy(draft.layer.input_layernorm)
+        layer.load_state_dict(draft.layer.state_dict())
+        layer.to(device=device, dtype=dtype)
+        fast.pack_layer(layer, kernel)
+        self.fc = fast.PackedLinear(draft.fc.weight.to(dtype), draft.fc.bias.to(dtype), kernel)
+        self.layer = fast.LeanLayer(layer, config, 0)
+        self.rope = fast.Rope(draft.rotary, self.layer.head_dim, dtype)
+        self.norm = fast._norm(copy.deepcopy(draft.norm).to(device=device, dtype=dtype))
+        self.readout = fast.PackedLinear(draft.readout_weight.to(dtype), None, kernel)
+        self.vocab = draft.vocab
+        self.embed = draft.embed
+        self.dtype, self.device = dtype, device
+
+    def new_cache(self) -> fast.StaticKV:
+        return fast.StaticKV(1, self.layer.kv_heads, self.layer.head_dim, self.dtype, device=self.device)
+
+    def __call__(self, features: Tensor, ids: Tensor, positions: Tensor, mask, cache: fast.StaticKV) -> Tensor:
+        """(T, H) features and (T,) next tokens at (T,) positions → (T, H) predicted features;
+        their keys and values are appended after the cache's length (which is not moved)."""
+        t, past = ids.numel(), cache.length
+        cache.reserve(past + t)
+        x = self.fc(torch.cat([features.to(self.dtype), self.embed(ids).to(self.dtype)], dim=-1))
+        causal = mask is None and t > 1
+        if causal and past:
+            mask, causal = fast.causal_mask(t, past, self.dtype, self.device), False
+        return self.norm(self.layer(x, self.rope(positions), cache, past, mask, causal))
+
+    def log_probs(self, predicted: Tensor) -> Tensor:
+        return torch.log_softmax(self.readout(predicted).float(), dim=-1)
+
+
+class EagleDrafter:
+    """Drafts with an EAGLE draft layer; with `lookup` the context's continuations (and with a
+    `corpus` the model's past replies) are grafted under the root as well."""
+
+    def __init__(
+        self,
+        draft: EagleDraft,
+        dtype: torch.dtype,
+        curve: Callable[[], CostCurve | None] = lambda: None,
+        lookup: bool = True,
+        corpus: Corpus | None = None,
+        budget: int | None = None,
+        branches: int = 2,
+        length: int = 4,
+        depth: int = DEPTH,
+    ) -> None:
+        self.lean = LeanDraft(draft, dtype)
+        self.depth = depth
+        self.curve = curve
+        self.fixed_budget = budget  # None: chosen each step from the costs
+        self.index = NgramIndex(4) if lookup else None
+        self.corpus = corpus
+        self.branches, self.length = branches, length
+        self.cache = self.lean.new_cache()
+        self._pending: list[tuple[Tensor, Tensor]] = []  # fed rows not yet run through the draft
+        self._pending_rows = 0
+        self._last_out: Tensor | None = None  # (H,) output of the last committed entry
+        self.calibration = 1.0  # realized accepted drafts ÷ the draft's own expectation (running)
+        self.draft_ms = 1.0  # running drafting time of a step
+        self._plain_streak = 0
+        self._expected = 0.0
+        self.root_only = build_tree([])
+        self.last_choice = None
+
+    # -- the committed positions --------------------------------------------------------------
+
+    def feed(self, features: Tensor, next_ids: Tensor, position: int) -> None:
+        """The backbone's features at positions `position` … and the token after each (the last
+        one the next root). Position 0 starts a new reply."""
+        if position == 0:
+            self.cache.truncate(0)
+            self._pending, self._pending_rows, self._last_out = [], 0, None
+        if position != self.cache.length + self._pending_rows:  # not where the draft left off
+            self.cache.truncate(0)
+            self._pending, self._pending_rows, self._last_out = [], 0, None
+            return
+        self._pending.append((features, next_ids))
+        self._pending_rows += len(next_ids)
+
+    def _flush(self) -> bool:
+        """Run the pending rows into the draft's cache; False when it has nothing to draft from."""
+        if self._pending:
+            features = torch.cat([f for f, _ in self._pending])
+            ids = torch.cat([i for _, i in self._pending])
+            past = self.cache.length
+            positions = torch.arange(past, past + len(ids), device=ids.device)
+            out = self.lean(features, ids, positions, None, self.cache)
+            self.cache.length = past + len(ids)
+            self._last_out = out[-1]
+            self._pending, self._pending_rows = [], 0
+        return self._last_out is not None
+
+    # -- a step's tree ------------------------------------------------------------------------
+
+    def propose(self, hidden: Tensor, root: Tensor, history: Sequence[int] = ()) -> Draft:
+        t0 = time.perf_counter()
+        curve = self.curve() or PRIOR_CURVE
+        probe = self._plain_streak % PROBE_EVERY == PROBE_EVERY - 1
+        if self.fixed_budget is None and self._plain_streak and not probe:
+            self._plain_streak += 1
+            self._expected = 0.0
+            return self._with_lookups(Draft(root.view(1), self.root_only), history)
+        if not self._flush():
+            return self._with_lookups(Draft(root.view(1), self.root_only), history)
+        tokens, parent, scores = self._grow()
+        draft_ms = (time.perf_counter() - t0) * 1000
+        self.draft_ms = 0.8 * self.draft_ms + 0.2 * draft_ms
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])
+        chance = (torch.tensor(scores).exp() * self.calibration).clamp(max=1.0)
+        budget = self.fixed_budget if self.fixed_budget is not None else self._budget(order, chance, curve)
+        if budget == 0:
+            self._plain_streak += 1
+            self._expected = 0.0
+            return self._with_lookups(Draft(root.view(1), self.root_only), history)
+        self._plain_streak = 0
+        keep = _closed(order, parent, budget)
+        self._expected = float(sum(torch.tensor(scores)[keep].exp()))
+        index = {-1: 0} | {n: i + 1 for i, n in enumerate(keep)}
+        parents = [0] + [index[parent[n]] for n in keep]
+        tree = from_parents(parents, [-1] * len(parents))
+        ids = torch.tensor([int(root)] + [tokens[n] for n in keep], device=root.device)
+        draft = Draft(ids, tree if root.device.type == "cpu" else tree.to(root.device), (ROOT,) + (EAGLE,) * len(keep))
+        return self._with_lookups(draft, history)
+
+    def _grow(self) -> tuple[list[int], list[int], list[float]]:
+        """Every drafted node: (token, parent node or −1 for the root, log-probability of its path)."""
+        lean, cache = self.lean, self.cache
+        base = cache.length
+        k = min(TOP_K, len(lean.vocab))
+        logp = lean.log_probs(self._last_out.view(1, -1))[0]
+        top = logp.topk(k)
+        tokens = lean.vocab[top.indices].tolist()
+        parent = [-1] * k
+        scores = top.values.tolist()
+        feature_in = {n: self._last_out for n in range(k)}  # the feature each node's entry reads
+        entry: dict[int, int] = {}  # node → its row among the appended entries
+        frontier = list(range(k))
+        for depth in range(1, self.depth):
+            expand = sorted(frontier, key=lambda n: -scores[n])[:BEAM]
+            rows = len(entry)
+            for n in expand:
+                entry[n] = rows + expand.index(n)
+            mask = torch.full((1, 1, len(expand), base + rows + len(expand)), torch.finfo(lean.dtype).min,
+                              dtype=lean.dtype, device=lean.device)  # fmt: skip
+            mask[..., :base] = 0
+            for r, n in enumerate(expand):
+                a = n
+                while a != -1:
+                    mask[0, 0, r, base + entry[a]] = 0
+                    a = parent[a]
+            cache.length = base + rows
+            out = lean(
+                torch.stack([feature_in[n] for n in expand]),
+                torch.tensor([tokens[n] for n in expand], device=lean.device),
+                torch.full((len(expand),), base + depth - 1, device=lean.device),
+                mask,
+                cache,
+            )
+            lp = lean.log_probs(out)
+            top = lp.topk(k)
+            frontier = []
+            for r, n in enumerate(expand):
+                for v, i in zip(top.values[r].tolist(), lean.vocab[top.indices[r]].tolist(), strict=True):
+                    frontier.append(len(tokens))
+                    tokens.append(i)
+                    parent.append(n)
+                    scores.append(scores[n] + v)
+                    feature_in[len(tokens) - 1] = out[r]
+        cache.length = base
+        return tokens, parent, scores
+
+    def _budget(self, order: list[int], chance: Tensor, curve: CostCurve) -> int:
+        """The node count with the most expected tokens per millisecond; 0 where plain wins."""
+        sorted_chance = chance[order]
+        best, best_rate = 0, 1.0 / curve.at(1)
+        for b in BUDGETS:
+            if b > len(order):
+                break
+            rate = (1 + float(sorted_chance[:b].sum())) / (curve.at(b + 1) + self.draft_ms)
+            if rate > best_rate:
+                best, best_rate = b, rate
+        return best
+
+    def _with_lookups(self, draft: Draft, history: Sequence[int]) -> Draft:
+        """The context's (else the past replies') continuations grafted under the root."""
+        if len(history) < 2 or (self.index is None and self.corpus is None):
+            return draft
+        found, source = [], CONTEXT
+        if self.index is not None:
+            self.index.sync(history)
+            found = self.index.continuations(self.branches, self.length)
+        if not found and self.corpus is not None:
+            found, source = self.corpus.continuations(history, self.branches, RETRIEVAL_LENGTH)[0], RETRIEVAL
+        if not found:
+            return draft
+        sources = list(draft.sources) if draft.sources else [ROOT]
+        tokens, tree, merged = graft(draft.tree, draft.tokens.tolist(), found, source, sources)
+        device = draft.tokens.device
+        return Draft(
+            torch.tensor(tokens, device=device), tree if device.type == "cpu" else tree.to(device), tuple(merged)
+        )
+
+    def observe(self, draft: Draft, emitted: Sequence[int], seconds: float) -> None:
+        """Learn how far the draft's own probabilities over- or under-state acceptance."""
+        if self._expected <= 0:
+            return
+        tokens, children = draft.tokens.tolist(), draft.tree.children.tolist()
+        node, accepted = 0, 0
+        for token in emitted[:-1]:  # follow the accepted path, counting the draft's own nodes
+            node = next((c for c in children[node] if c >= 0 and tokens[c] == token), -1)
+            if node < 0:
+                break
+            accepted += draft.source(node) == EAGLE
+        self.calibration = 0.9 * self.calibration + 0.1 * min(accepted / self._expected, 2.0)
+
+
+def _closed(order: list[int], parent: list[int], budget: int) -> list[int]:
+    """The first `budget` nodes of `order` whose parent is already kept, parents first."""
+    kept: list[int] = []
+    have = {-1}
+    for n in order:
+        if parent[n] in have:
+            kept.append(n)
+            have.add(n)
+            if len(kept) == budget:
+                break
+    return kept
+
+
+def eagle_drafter(
+    draft: EagleDraft | None,
+    curve: Callable[[], CostCurve | None] = lambda: None,
+    corpus: Corpus | None = None,
+    budget: int | None = None,
+    branches: int = 2,
+    length: int = 4,
+) -> EagleDrafter:
+    """The "eagle" drafter: `draft` with the context's and `corpus`'s continuations; `budget` None:
+    each step's node count chosen from the machine's costs (`curve`)."""
+    if draft is None:
+        raise UserError(
+            "No EAGLE drafter for this model; make one with `medusa-chat train-drafter --kind eagle` "
+            "and pass it with --eagle FILE, or choose another drafter."
+        )
+    return EagleDrafter(draft, draft.backbone_dtype, curve, True, corpus, budget, branches, length)

@@ -1,0 +1,344 @@
+"""EAGLE drafter training by self-distillation, beside Medusa head training (`train`), on the
+same transcripts (the model's greedy replies to the seed prompts).
+
+1) features: one backbone pass per batch of transcripts gives the feature (last hidden state
+   after the final norm) at every position; saved in chunks, so an interrupted run resumes.
+2) train: row t reads (feature t, token t + 1) and learns feature t + 1 (SmoothL1) and token
+   t + 2 (cross-entropy over the draft vocabulary), on reply positions. Training-time test
+   (EAGLE-3): pass k feeds each row the feature pass k − 1 predicted one position earlier,
+   attending to the true rows before and its own predicted ancestors, exactly as drafting
+   k tokens ahead sees them; every pass has the same targets.
+3) evaluate: the held-out chain acceptance by depth (depth k given depths < k right), read off
+   the same passes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+from transformers import DynamicCache, PreTrainedModel
+
+from core.eagle import EagleDraft
+
+CHUNK = 128  # transcripts per feature file
+DRAFT_VOCAB = 8192  # tokens the draft reads out over (97 % of the embedded model's reply tokens)
+
+
+@dataclass(frozen=True)
+class Sequence:
+    ids: Tensor  # (n,) prompt then reply
+    features: Tensor  # (n, H) bf16
+    prompt: int  # prompt length
+
+
+def draft_vocab(records: list[dict], size: int = DRAFT_VOCAB) -> Tensor:
+    """The `size` tokens the model wrote most often in its replies (ascending ids)."""
+    counts = Counter(t for r in records for t in r["answer_ids"])
+    return torch.tensor(sorted(t for t, _ in counts.most_common(size)), dtype=torch.long)
+
+
+def features(
+    model: PreTrainedModel,
+    records: list[dict],
+    work: Path,
+    batch_size: int = 16,
+    progress: Callable[[int, int], None] = lambda done, total: None,
+) -> list[Sequence]:
+    """Every transcript's features, computed in chunks of `CHUNK` transcripts (kept in `work`;
+    a rerun loads the chunks already made)."""
+    work.mkdir(parents=True, exist_ok=True)
+    out: list[Sequence] = []
+    for c in range(0, len(records), CHUNK):
+        chunk = records[c : c + CHUNK]
+        file = work / f"features-{c // CHUNK:04d}.safetensors"
+        loaded = _load_chunk(file, len(chunk))
+        if loaded is None:
+            loaded = _chunk_features(model, chunk, batch_size)
+            tensors = {f"{i}.features": s.features.contiguous() for i, s in enumerate(loaded)}
+            tensors |= {f"{i}.ids": s.ids for i, s in enumerate(loaded)}
+            save_file(tensors, str(file.with_suffix(".tmp")), metadata={"records": str(len(chunk))})
+            file.with_suffix(".tmp").replace(file)
+        out += [Sequence(s.ids, s.features, len(r["prompt_ids"])) for s, r in zip(loaded, chunk, strict=True)]
+        progress(len(out), len(records))
+    return out
+
+
+def _load_chunk(file: Path, records: int) -> list[Sequence] | None:
+    try:
+        with safe_open(str(file), "pt") as f:
+            if (f.metadata() or {}).get("records") != str(records):
+                return None
+            return [Sequence(f.get_tensor(f"{i}.ids"), f.get_tensor(f"{i}.features"), 0) for i in range(records)]
+    except (OSError, ValueError, RuntimeError, SafetensorError):
+        return None
+
+
+def _chunk_features(model: PreTrainedModel, chunk: list[dict], batch_size: int) -> list[Sequence]:
+    seqs = [r["prompt_ids"] + r["answer_ids"] for r in chunk]
+    result: list[Sequence | None] = [None] * len(seqs)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    with torch.inference_mode():
+        for b in range(0, len(order), batch_size):
+            batch = order[b : b + batch_size]
+            width = max(len(seqs[i]) for i in batch)
+            ids = torch.tensor([seqs[i] + [0] * (width - len(seqs[i])) for i in batch], device=model.device)
+            mask = torch.tensor([[1] * len(seqs[i]) + [0] * (width - len(seqs[i])) for i in batch])
+            hidden = model.base_model(input_ids=ids, attention_mask=mask.to(model.device)).last_hidden_state
+            for row, i in enumerate(batch):
+                n = len(seqs[i])
+                result[i] = Sequence(ids[row, :n].cpu(), hidden[row, :n].to(torch.bfloat16).cpu().clone(), 0)
+    return result  # type: ignore[return-value]
+
+
+# -- training ---------------------------------------------------------------------------------
+
+
+def pass_mask(lengths: list[int], width: int, passes: int, dtype: torch.dtype) -> list[Tensor]:
+    """The additive masks (B, 1, L, k·L) of passes k = 1..`passes`: row i of pass k sees the true
+    rows s ≤ i − k + 1 and, of each later pass j, its own ancestor row i − k + j."""
+    i = torch.arange(width)
+    valid = i[None, :] < torch.tensor(lengths)[:, None]  # (B, L) real (unpadded) keys
+    masks = []
+    for k in range(1, passes + 1):
+        blocks = [(i[None, :] <= (i[:, None] - k + 1))[None] & valid[:, None, :]]  # true rows
+        for j in range(2, k + 1):
+            blocks.append((i[None, :] == (i[:, None] - k + j))[None].expand(len(lengths), -1, -1))
+        seen = torch.cat(blocks, dim=-1)  # (B, L, k·L)
+        mask = torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, torch.finfo(dtype).min)
+        masks.append(mask[:, None])
+    return masks
+
+
+@dataclass(frozen=True)
+class Batch:
+    features: Tensor  # (B, L, H) true features at rows t
+    ids: Tensor  # (B, L) tokens t + 1 (0 past the end)
+    feature_targets: Tensor  # (B, L, H) features t + 1
+    token_targets: Tensor  # (B, L) draft-vocabulary index of token t + 2, -100 where not learned
+    lengths: list[int]
+
+
+def make_batch(seqs: list[Sequence], to_draft: Tensor) -> Batch:
+    """Rows t = 0 … n − 2 of each sequence; tokens learned on reply positions (t + 2 ≥ prompt)."""
+    width = max(len(s.ids) - 1 for s in seqs)
+    hidden = seqs[0].features.shape[1]
+    feats = torch.zeros(len(seqs), width, hidden, dtype=torch.bfloat16)
+    targets = torch.zeros_like(feats)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    tokens = torch.full((len(seqs), width), -100, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        n = len(s.ids) - 1
+        feats[b, :n] = s.features[:n]
+        targets[b, :n] = s.features[1 : n + 1]
+        ids[b, :n] = s.ids[1 : n + 1]
+        start = max(s.prompt - 2, 0)
+        tokens[b, start : n - 1] = to_draft[s.ids[start + 2 : n + 1]]
+    return Batch(feats, ids, targets, tokens, [len(s.ids) - 1 for s in seqs])
+
+
+def passes_forward(draft: EagleDraft, batch: Batch, passes: int) -> list[Tensor]:
+    """(B, L, H) predicted features of each pass (see the module docstring)."""
+    width = batch.ids.shape[1]
+    positions = torch.arange(width)[None].expand(len(batch.lengths), -1)
+    masks = pass_mask(batch.lengths, width, passes, torch.float32)
+    cache = DynamicCache()
+    inputs = batch.features.float()
+    outs = []
+    for k in range(passes):
+        out = draft(inputs, batch.ids, positions, masks[k], cache)
+        outs.append(out)
+        inputs = torch.cat([batch.features[:, :1].float(), out[:, :-1].float()], dim=1)  # shifted one row
+    return outs
+
+
+def loss_of(
+    draft: EagleDraft, outs: list[Tensor], batch: Batch, token_weight: float, decay: float
+) -> tuple[Tensor, list[tuple[int, int]]]:
+    """Σ_k decay^k (SmoothL1 + token_weight · CE), on the rows whose token is learned; and per
+    pass (top-1 hits, rows)."""
+    rows = batch.token_targets != -100
+    target = batch.token_targets[rows]
+    total = outs[0].new_zeros((), dtype=torch.float32)
+    hits = []
+    for k, out in enumerate(outs):
+        pred = out[rows].float()
+        regression = nn.functional.smooth_l1_loss(pred, batch.feature_targets[rows].float())
+        logits = draft.logits(out[rows]).float()
+        ce = nn.functional.cross_entropy(logits, target)
+        total = total + decay**k * (regression + token_weight * ce)
+        hits.append((int((logits.argmax(-1) == target).sum()), int(target.numel())))
+    return total, hits
+
+
+def batches(seqs: list[Sequence], tokens_per_batch: int, order: list[int]) -> Iterator[list[Sequence]]:
+    """Consecutive groups of `order` of about `tokens_per_batch` padded tokens each."""
+    group: list[Sequence] = []
+    for i in order:
+        group.append(seqs[i])
+        if len(group) * max(len(s.ids) for s in group) >= tokens_per_batch:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+def count_batches(seqs: list[Sequence], tokens_per_batch: int, order: list[int]) -> int:
+    return sum(1 for _ in batches(seqs, tokens_per_batch, order))
+
+
+def train_epoch(
+    draft: EagleDraft,
+    optimizer: torch.optim.Optimizer,
+    schedule,
+    seqs: list[Sequence],
+    to_draft: Tensor,
+    order: list[int],
+    passes: int,
+    token_weight: float,
+    decay: float,
+    tokens_per_batch: int = 4096,
+) -> Iterator[float]:
+    """One epoch over `order`; yields each batch's loss."""
+    draft.train()
+    for group in batches(seqs, tokens_per_batch, order):
+        batch = make_batch(group, to_draft)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs = passes_forward(draft, batch, passes)
+            loss, _ = loss_of(draft, outs, batch, token_weight, decay)
+        optimizer.zero_grad()
+        loss.backward()
+        nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        yield float(loss.detach())
+
+
+def evaluate(
+    draft: EagleDraft, seqs: list[Sequence], to_draft: Tensor, passes: int, tokens_per_batch: int = 8192
+) -> dict:
+    """Held-out chain acceptance: for a draft starting after true row s, depth k is pass k's
+    top-1 at row s + k − 1; `acceptance[k]` is P(depth k right | depths < k right), and
+    `chain_tokens_per_step` the mean tokens a chain of `passes` would give (root included)."""
+    draft.eval()
+    right: list[Tensor] = []  # per pass, (rows,) bool over every (sequence, row) in order
+    valid: list[Tensor] = []
+    loss = 0.0
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for group in batches(seqs, tokens_per_batch, list(range(len(seqs)))):
+            batch = make_batch(group, to_draft)
+            outs = passes_forward(draft, batch, passes)
+            loss += float(loss_of(draft, outs, batch, 1.0, 1.0)[0]) * len(group)
+            per_pass = [draft.logits(o).argmax(-1) == batch.token_targets for o in outs]  # (B, L)
+            for b, n in enumerate(batch.lengths):
+                right.append(torch.stack([p[b, :n] for p in per_pass]))  # (passes, n)
+                valid.append(batch.token_targets[b, :n] != -100)
+    reached = [0] * passes
+    kept = [0] * passes
+    tokens, starts = 0.0, 0
+    for r, v in zip(right, valid, strict=True):
+        n = r.shape[1]
+        for s in range(n):
+            if not v[s]:
+                continue
+            starts += 1
+            tokens += 1
+            for k in range(passes):
+                row = s + k
+                if row >= n or not v[row]:
+                    break
+                reached[k] += 1
+                if not r[k, row]:
+                    break
+                kept[k] += 1
+                tokens += 1
+    acceptance = [kept[k] / reached[k] if reached[k] else 0.0 for k in range(passes)]
+    return {
+        "acceptance": [round(a, 4) for a in acceptance],
+        "chain_tokens_per_step": round(tokens / max(starts, 1), 4),
+        "loss": round(loss / max(len(seqs), 1), 4),
+    }
+
+
+def optimizer_for(draft: EagleDraft, lr: float, steps: int):
+    params = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=max(steps, 1), pct_start=0.05)
+    return optimizer, schedule
+
+
+def epochs_eta(done: int, total: int, seconds: float) -> float:
+    return seconds / max(done, 1) * (total - done) if done else math.nan
+
+
+def to_draft_index(vocab: Tensor, vocab_size: int) -> Tensor:
+    """(V,) each token's index in the draft vocabulary, -100 for tokens outside it."""
+    index = torch.full((vocab_size,), -100, dtype=torch.long)
+    index[vocab] = torch.arange(len(vocab))
+    return index
+
+
+def fit(
+    draft: EagleDraft,
+    train_seqs: list[Sequence],
+    held: list[Sequence],
+    epochs: int,
+    lr: float,
+    passes: int,
+    work: Path,
+    token_weight: float = 1.0,
+    decay: float = 0.8,
+    seed: int = 0,
+    progress: Callable[[int, float], None] = lambda batches, loss: None,
+    on_epoch: Callable[[int, dict], None] = lambda epoch, result: None,
+) -> tuple[dict, int]:
+    """Train `draft` in place for `epochs`; after each epoch the held-out chain acceptance is
+    measured and the weights saved in `work` (a rerun resumes after the last finished epoch).
+    The epoch whose chain gives the most tokens per step is loaded back at the end.
+    Returns (that epoch's held-out result, its epoch)."""
+    import random
+
+    from safetensors.torch import load_file
+
+    to_draft = to_draft_index(draft.vocab, draft.vocab_size)
+    order_rng = random.Random(seed)
+    orders = []
+    for _ in range(epochs):
+        order = list(range(len(train_seqs)))
+        order_rng.shuffle(order)
+        orders.append(order)
+    per_epoch = [count_batches(train_seqs, 4096, o) for o in orders]
+    optimizer, schedule = optimizer_for(draft, lr, sum(per_epoch))
+    log = work / "epochs.jsonl"
+    done: list[dict] = []
+    if log.exists():
+        done = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines() if line.strip()]
+        done = [d for d in done if (work / f"epoch-{d['epoch']}.safetensors").exists()][:epochs]
+    if done:  # resume: the last finished epoch's weights, the schedule advanced past it
+        draft.load_state_dict(load_file(str(work / f"epoch-{done[-1]['epoch']}.safetensors")), strict=False)
+        for _ in range(sum(per_epoch[: len(done)])):
+            schedule.step()
+        for d in done:
+            on_epoch(d["epoch"], d["result"])
+    for epoch in range(len(done) + 1, epochs + 1):
+        for loss in train_epoch(draft, optimizer, schedule, train_seqs, to_draft, orders[epoch - 1], passes,
+                                token_weight, decay):  # fmt: skip
+            progress(1, loss)
+        result = evaluate(draft, held, to_draft, passes + 1)
+        state = {k: v.detach().contiguous() for k, v in draft.state_dict().items() if not k.startswith("rotary.")}
+        save_file(state, str(work / f"epoch-{epoch}.safetensors"))
+        with log.open("a", encoding="utf-8") as f:
+            f.write(json.dumps({"epoch": epoch, "result": result}) + "\n")
+        done.append({"epoch": epoch, "result": result})
+        on_epoch(epoch, result)
+    best = max(done, key=lambda d: d["result"]["chain_tokens_per_step"])
+    draft.load_state_dict(load_file(str(work / f"epoch-{best['epoch']}.safetensors")), strict=False)
+    return best["result"], best["epoch"]

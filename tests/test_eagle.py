@@ -1,0 +1,253 @@
+"""The EAGLE drafter: training passes that see what drafting sees, exact decoding, files."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections import Counter
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+from core.eagle import DrafterCard, EagleDraft, load_draft, save_draft
+from core.eagle_tree import EagleDrafter, LeanDraft
+from core.errors import UserError
+from core.generate import collect, stream
+from core.settings import DecodeSettings
+from core.tune import eagle_train
+from models.eagle_formats import load_published
+from tests.helpers import ARCHS, plain_tokens, three_token_p_value, tiny_model
+
+
+def _draft(model, seed: int = 3, vocab=None) -> EagleDraft:
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        size = model.get_output_embeddings().weight.shape[0]
+        draft = EagleDraft(model, torch.arange(size) if vocab is None else vocab)
+        for p in draft.parameters():  # peaky enough that the draft's guesses differ from noise
+            torch.nn.init.normal_(p, std=0.3)
+    return draft.eval()
+
+
+def _sequence(model, n: int = 14, seed: int = 0) -> eagle_train.Sequence:
+    ids = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+    with torch.inference_mode():
+        features = model.base_model(input_ids=ids.view(1, -1)).last_hidden_state[0]
+    return eagle_train.Sequence(ids, features.to(torch.bfloat16), 3)  # stored as training stores them
+
+
+def test_pass_masks_show_each_row_the_true_rows_and_its_own_drafted_ancestors():
+    masks = eagle_train.pass_mask([5], 5, 3, torch.float32)
+    seen = [m[0, 0] == 0 for m in masks]
+    assert seen[0].equal(torch.ones(5, 5, dtype=torch.bool).tril())
+    # pass 3, row 4: true rows 0..2, pass 2's row 3, its own row 4
+    row = seen[2][4]
+    assert row[:5].tolist() == [True, True, True, False, False]
+    assert row[5:10].tolist() == [False, False, False, True, False]
+    assert row[10:].tolist() == [False, False, False, False, True]
+
+
+def test_training_passes_compute_what_drafting_computes():
+    """Pass k at row s + k − 1 is the draft k tokens ahead after true row s: the same number the
+    drafter's own cache and tree mask give (so held-out acceptance measures real drafting)."""
+    model = tiny_model("llama")
+    draft = _draft(model)
+    seq = _sequence(model)
+    to_draft = eagle_train.to_draft_index(draft.vocab, draft.vocab_size)
+    batch = eagle_train.make_batch([seq], to_draft)
+    with torch.inference_mode():
+        outs = eagle_train.passes_forward(draft, batch, 3)
+        lean = LeanDraft(copy.deepcopy(draft), torch.float32)
+        cache = lean.new_cache()
+        s = 6
+        out = lean(seq.features[: s + 1], seq.ids[1 : s + 2], torch.arange(s + 1), None, cache)
+        cache.length = s + 1
+        torch.testing.assert_close(out[-1], outs[0][0, s], rtol=1e-4, atol=1e-4)
+        feature = out[-1]
+        for depth in (1, 2):  # the true tokens as drafted nodes, each seeing its ancestors
+            mask = torch.zeros(1, 1, 1, cache.length + 1)
+            feature = lean(feature.view(1, -1), seq.ids[s + depth + 1].view(1), torch.tensor([s + depth]), mask, cache)[
+                0
+            ]
+            cache.length += 1
+            torch.testing.assert_close(feature, outs[depth][0, s + depth], rtol=1e-4, atol=1e-4)
+
+
+def test_drafter_offers_the_draft_layers_own_top_tokens():
+    model = tiny_model("llama")
+    draft = _draft(model)
+    seq = _sequence(model)
+    s = 6
+    with torch.inference_mode():
+        expected = draft.logits(eagle_train.passes_forward(
+            draft, eagle_train.make_batch([seq], eagle_train.to_draft_index(draft.vocab, 96)), 1
+        )[0][0, s]).topk(3).indices.tolist()  # fmt: skip
+        drafter = EagleDrafter(copy.deepcopy(draft), torch.float32, lookup=False, budget=3)
+        drafter.feed(seq.features[: s + 1], seq.ids[1 : s + 2], 0)
+        proposed = drafter.propose(seq.features[s], seq.ids[s + 1], seq.ids[: s + 2].tolist())
+    assert proposed.tree.size == 4 and proposed.tree.depth[1:].tolist() == [1, 1, 1]
+    assert sorted(proposed.tokens[1:].tolist()) == sorted(expected)
+    assert set(proposed.sources[1:]) == {5}  # core.tree.EAGLE
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_with_eagle_equals_plain_greedy(arch):
+    model = tiny_model(arch)
+    prompt = [5, 17, 3, 17, 9, 5, 17]
+    reference = plain_tokens(model, prompt, 40)
+    for budget in (1, 6, 24):
+        drafter = EagleDrafter(_draft(model), model.dtype, budget=budget)
+        events, done = collect(stream(model, prompt, DecodeSettings(max_new_tokens=40), drafter))
+        assert list(done.token_ids) == reference
+        assert max(e.tree_size for e in events) > budget  # the draft's nodes were verified
+
+
+def test_eagle_drafts_are_accepted_when_the_draft_knows_the_model():
+    """A draft that is the backbone's own last layer reading out the backbone's feature would be
+    right every time; a draft trained for a few steps on the model's greedy output gets accepted."""
+    model = tiny_model("llama", vocab=32, seed=1)
+    prompt = [3, 7, 1]
+    reply = plain_tokens(model, prompt, 60)
+    ids = torch.tensor(prompt + reply)
+    with torch.inference_mode():
+        features = model.base_model(input_ids=ids.view(1, -1)).last_hidden_state[0].clone()
+    seqs = [eagle_train.Sequence(ids, features, len(prompt))]
+    draft = EagleDraft(model, torch.arange(32))
+    draft.float()
+    to_draft = eagle_train.to_draft_index(draft.vocab, 32)
+    optimizer, schedule = eagle_train.optimizer_for(draft, 3e-3, 300)
+    for _ in range(300):
+        list(eagle_train.train_epoch(draft, optimizer, schedule, seqs, to_draft, [0], 2, 1.0, 0.8))
+    result = eagle_train.evaluate(draft, seqs, to_draft, 3)
+    assert result["acceptance"][0] > 0.8
+    drafter = EagleDrafter(draft.eval(), model.dtype, lookup=False, budget=8)
+    events, done = collect(stream(model, prompt, DecodeSettings(max_new_tokens=60), drafter))
+    assert list(done.token_ids) == reply
+    accepted = Counter(s for e in events for s in e.sources)
+    assert accepted["eagle"] > 30 and done.steps < 30
+
+
+def test_lossless_sampling_distribution_with_eagle():
+    vocab = 6
+    model = tiny_model("llama", vocab=vocab, seed=2)
+    drafter = EagleDrafter(_draft(model), model.dtype, lookup=False, budget=6, depth=3)  # 3 tokens a reply
+    kinds = Counter()
+    p_value = three_token_p_value(
+        model, [1, 4, 2, 1, 4], vocab, drafter, on_events=lambda ev: kinds.update(s for e in ev for s in e.sources)
+    )
+    assert kinds["eagle"] > 100
+    assert p_value > 1e-3
+
+
+def test_typical_acceptance_runs_with_eagle():
+    model = tiny_model("llama")
+    drafter = EagleDrafter(_draft(model), model.dtype, budget=8)
+    settings = DecodeSettings(max_new_tokens=30, temperature=0.7, acceptance="typical")
+    events, done = collect(stream(model, [5, 17, 3], settings, drafter, generator=torch.Generator().manual_seed(0)))
+    assert len(done.token_ids) == 30 and all(e.accepted == len(e.token_ids) - 1 for e in events[1:-1])
+
+
+def test_a_new_reply_restarts_the_drafts_cache_and_a_gap_stops_drafting():
+    model = tiny_model("llama")
+    drafter = EagleDrafter(_draft(model), model.dtype, lookup=False, budget=4)
+    seq = _sequence(model)
+    drafter.feed(seq.features[:5], seq.ids[1:6], 0)
+    assert drafter.propose(seq.features[4], seq.ids[5], []).tree.size == 5
+    drafter.feed(seq.features[:3], seq.ids[1:4], 0)  # a new reply
+    drafter.propose(seq.features[2], seq.ids[3], [])
+    assert drafter.cache.length == 3
+    drafter.feed(seq.features[7:9], seq.ids[8:10], 7)  # positions it never saw: no draft until a new reply
+    assert drafter.propose(seq.features[8], seq.ids[9], []).tree.size == 1
+
+
+def test_draft_file_round_trip_and_refusals(tmp_path):
+    model = tiny_model("llama")
+    draft = _draft(model, vocab=torch.tensor([1, 5, 9, 40]))
+    file = tmp_path / "draft.safetensors"
+    save_draft(file, draft, DrafterCard("tiny", 96, 64, (0.5, 0.3)))
+    loaded, card = load_draft(file, model, "tiny")
+    assert card.acceptance == (0.5, 0.3) and loaded.vocab.tolist() == [1, 5, 9, 40]
+    x = torch.randn(1, 3, 64)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.inference_mode():
+        torch.testing.assert_close(
+            loaded(x, ids, torch.arange(3).view(1, -1), None),
+            draft(x, ids, torch.arange(3).view(1, -1), None),
+            rtol=1e-2,
+            atol=2e-2,
+        )  # fmt: skip (bf16 on disk)
+    with pytest.raises(UserError, match="made for tiny"):
+        load_draft(file, tiny_model("llama", vocab=80))
+    with pytest.raises(UserError, match="made for tiny"):
+        load_draft(file, model, "another-model")
+    file.write_bytes(file.read_bytes()[:100])
+    with pytest.raises(UserError, match="cannot be read"):
+        load_draft(file, model)
+
+
+# -- published checkpoints ---------------------------------------------------------------------
+
+
+def _eagle1_checkpoint(folder, model, seed: int = 4) -> dict:
+    """A tiny checkpoint in the EAGLE-1/2 layout: fc over [embedding; feature] with a bias, one
+    decoder layer without an input norm, the embedding beside it; saved as their pickle."""
+    config = model.config
+    hidden = config.hidden_size
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        layer = LlamaDecoderLayer(config, 0)
+        for p in layer.parameters():
+            torch.nn.init.normal_(p, std=0.2)
+        tensors = {"fc.weight": torch.randn(hidden, 2 * hidden) * 0.2, "fc.bias": torch.randn(hidden) * 0.1}
+    tensors |= {f"layers.0.{k}": v for k, v in layer.state_dict().items() if not k.startswith("input_layernorm")}
+    tensors["embed_tokens.weight"] = model.get_input_embeddings().weight.detach().clone()
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(tensors, folder / "pytorch_model.bin")
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "bias": True}))
+    return tensors
+
+
+def test_published_eagle1_checkpoint_drafts_as_its_own_code_would(tmp_path):
+    model = tiny_model("llama")
+    tensors = _eagle1_checkpoint(tmp_path / "eagle", model)
+    draft = load_published(tmp_path / "eagle", model)
+    # the reference, written out as the EAGLE code computes it
+    layer = LlamaDecoderLayer(model.config, 0)
+    layer.input_layernorm = torch.nn.Identity()
+    layer.load_state_dict({k.removeprefix("layers.0."): v for k, v in tensors.items() if k.startswith("layers.0.")})
+    features, ids = torch.randn(1, 5, 64), torch.tensor([[3, 1, 4, 1, 5]])
+    positions = torch.arange(5).view(1, -1)
+    with torch.inference_mode():
+        x = torch.nn.functional.linear(
+            torch.cat([model.get_input_embeddings()(ids), features], -1), tensors["fc.weight"], tensors["fc.bias"]
+        )
+        out = layer(x, position_embeddings=model.model.rotary_emb(x, positions), position_ids=positions)
+        out = out[0] if isinstance(out, tuple) else out
+        reference = model.get_output_embeddings()(out)
+        ours = draft.logits(draft(features, ids, positions, None))
+    torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
+    prompt = [5, 17, 3, 17, 9, 5, 17]
+    drafter = EagleDrafter(draft, model.dtype, lookup=False, budget=10)
+    _, done = collect(stream(model, prompt, DecodeSettings(max_new_tokens=30), drafter))
+    assert list(done.token_ids) == plain_tokens(model, prompt, 30)
+
+
+def test_published_checkpoints_that_do_not_fit_are_refused_in_one_sentence(tmp_path):
+    model = tiny_model("llama")
+    torch.save({"midlayer.self_attn.q_proj.weight": torch.zeros(64, 128), "d2t": torch.zeros(8)}, tmp_path / "p.bin")
+    (tmp_path / "three").mkdir()
+    (tmp_path / "p.bin").rename(tmp_path / "three" / "pytorch_model.bin")
+    with pytest.raises(UserError, match="EAGLE-3"):
+        load_published(tmp_path / "three", model)
+    _eagle1_checkpoint(tmp_path / "wide", tiny_model("llama", vocab=96), seed=1)
+    narrow = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=4, num_key_value_heads=2))  # fmt: skip
+    with pytest.raises(UserError, match="not an EAGLE drafter for this model"):
+        load_published(tmp_path / "wide", narrow)
+    (tmp_path / "wide" / "pytorch_model.bin").write_bytes(b"not a pickle")
+    with pytest.raises(UserError, match="cannot be read"):
+        load_published(tmp_path / "wide", model)
+    with pytest.raises(UserError, match="holds no EAGLE checkpoint"):
+        load_published(tmp_path, model)
