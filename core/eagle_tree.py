@@ -19,6 +19,7 @@ reach the draft's cache (lazily, in one forward when drafting resumes).
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -32,13 +33,14 @@ from core.lookup import NgramIndex
 from core.retrieval import RETRIEVAL_LENGTH, Corpus
 from core.step import Draft
 from core.tree import CONTEXT, EAGLE, RETRIEVAL, ROOT, build_tree, from_parents, graft
-from core.tune.policy import PRIOR_CURVE, CostCurve
+from core.tune.policy import PRIOR_CURVE, Choice, CostCurve
 
 TOP_K = 8  # candidates under each expanded node
 BEAM = 4  # nodes expanded per depth
 DEPTH = 6  # how far ahead the draft looks
 BUDGETS = (2, 4, 6, 8, 12, 16, 24, 32)  # drafted-node counts a step may verify
 PROBE_EVERY = 8  # while plain steps win, draft every this many steps to keep measuring
+MIN_CHANCE = 0.15  # a node less likely than this to be accepted is not expanded (a depth costs ~0.1 steps)
 
 
 class LeanDraft:
@@ -146,6 +148,7 @@ class EagleDrafter:
 
     def propose(self, hidden: Tensor, root: Tensor, history: Sequence[int] = ()) -> Draft:
         t0 = time.perf_counter()
+        self.last_choice = None
         curve = self.curve() or PRIOR_CURVE
         probe = self._plain_streak % PROBE_EVERY == PROBE_EVERY - 1
         if self.fixed_budget is None and self._plain_streak and not probe:
@@ -166,13 +169,19 @@ class EagleDrafter:
             return self._with_lookups(Draft(root.view(1), self.root_only), history)
         self._plain_streak = 0
         keep = _closed(order, parent, budget)
-        self._expected = float(sum(torch.tensor(scores)[keep].exp()))
+        self._expected = float(chance[keep].sum())
         index = {-1: 0} | {n: i + 1 for i, n in enumerate(keep)}
         parents = [0] + [index[parent[n]] for n in keep]
         tree = from_parents(parents, [-1] * len(parents))
         ids = torch.tensor([int(root)] + [tokens[n] for n in keep], device=root.device)
         draft = Draft(ids, tree if root.device.type == "cpu" else tree.to(root.device), (ROOT,) + (EAGLE,) * len(keep))
-        return self._with_lookups(draft, history)
+        draft = self._with_lookups(draft, history)
+        nodes = draft.tree.size
+        reason = f"EAGLE tree of {len(keep)} nodes" + (
+            f", {nodes - 1 - len(keep)} copied" if nodes > len(keep) + 1 else ""
+        )
+        self.last_choice = Choice(len(keep), 0, nodes, 1 + self._expected, curve.at(nodes) + self.draft_ms, reason)
+        return draft
 
     def _grow(self) -> tuple[list[int], list[int], list[float]]:
         """Every drafted node: (token, parent node or −1 for the root, log-probability of its path)."""
@@ -187,19 +196,24 @@ class EagleDrafter:
         feature_in = {n: self._last_out for n in range(k)}  # the feature each node's entry reads
         entry: dict[int, int] = {}  # node → its row among the appended entries
         frontier = list(range(k))
+        ancestors: list[list[int]] = []  # per appended entry: the entry rows it sees (its own last)
+        floor = -math.inf  # a fixed budget is filled; else a path this unlikely is never kept
+        if self.fixed_budget is None:
+            floor = math.log(MIN_CHANCE / max(self.calibration, 1e-3))
         for depth in range(1, self.depth):
-            expand = sorted(frontier, key=lambda n: -scores[n])[:BEAM]
+            expand = [n for n in sorted(frontier, key=lambda n: -scores[n])[:BEAM] if scores[n] > floor]
+            if not expand:
+                break
             rows = len(entry)
-            for n in expand:
-                entry[n] = rows + expand.index(n)
-            mask = torch.full((1, 1, len(expand), base + rows + len(expand)), torch.finfo(lean.dtype).min,
-                              dtype=lean.dtype, device=lean.device)  # fmt: skip
-            mask[..., :base] = 0
             for r, n in enumerate(expand):
-                a = n
-                while a != -1:
-                    mask[0, 0, r, base + entry[a]] = 0
-                    a = parent[a]
+                entry[n] = rows + r
+                up = entry.get(parent[n])
+                ancestors.append((ancestors[up] if up is not None else []) + [rows + r])
+            seen = torch.zeros(len(expand), rows + len(expand), dtype=torch.bool)
+            for r in range(len(expand)):
+                seen[r, ancestors[rows + r]] = True
+            mask = torch.zeros(1, 1, len(expand), base + rows + len(expand), dtype=lean.dtype, device=lean.device)
+            mask[0, 0, :, base:].masked_fill_(~seen.to(lean.device), torch.finfo(lean.dtype).min)
             cache.length = base + rows
             out = lean(
                 torch.stack([feature_in[n] for n in expand]),
@@ -208,8 +222,7 @@ class EagleDrafter:
                 mask,
                 cache,
             )
-            lp = lean.log_probs(out)
-            top = lp.topk(k)
+            top = lean.log_probs(out).topk(k)
             frontier = []
             for r, n in enumerate(expand):
                 for v, i in zip(top.values[r].tolist(), lean.vocab[top.indices[r]].tolist(), strict=True):

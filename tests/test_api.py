@@ -105,7 +105,7 @@ def test_an_unknown_model_is_404(unloaded):
         ("epsilon", 1.5, "ε"),
         ("acceptance", "greedy", "lossless, typical"),
         ("mode", "fast", "medusa, baseline"),
-        ("drafter", "eagle", "medusa, lookup, retrieval, hybrid"),
+        ("drafter", "oracle", "medusa, lookup, retrieval, hybrid, eagle"),
         ("stop", [""], "must not be empty"),
         ("n", 2, "not supported"),
     ],

@@ -251,3 +251,35 @@ def test_published_checkpoints_that_do_not_fit_are_refused_in_one_sentence(tmp_p
         load_published(tmp_path / "wide", model)
     with pytest.raises(UserError, match="holds no EAGLE checkpoint"):
         load_published(tmp_path, model)
+
+
+# -- the commands ----------------------------------------------------------------------------
+
+
+def test_train_drafter_eagle_then_generate_with_it(tmp_path):
+    """Train a drafter for the embedded model on a few replies, then decode with it: a card with
+    per-depth acceptance, a rerun that resumes, and tokens exactly the plain loop's in float32."""
+    from tests.test_cli import cli, generate_json
+
+    prompts = tmp_path / "prompts.jsonl"
+    lines = ["Say hi.", "Name a fruit.", "Count to 3.", "Name a color.", "Say bye."]
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in lines))
+    out = tmp_path / "eagle.safetensors"
+    args = ["--kind", "eagle", "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "24"]
+    run = cli("train-drafter", *args, "--held-out", "0.4", "--epochs", "2", "--passes", "2", "--draft-vocab", "300")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == ""
+    card = json.loads(out.with_suffix(".json").read_text())
+    assert card["replies_held_out"] == 2 and len(card["held_out"]["acceptance"]) == 3 and card["draft_vocab"] <= 300
+    assert "depth" in out.with_suffix(".md").read_text()
+    epoch = tmp_path / "eagle" / "eagle" / "epoch-1.safetensors"
+    made = epoch.stat().st_mtime_ns
+    again = cli("train-drafter", *args, "--held-out", "0.4", "--epochs", "2", "--passes", "2", "--draft-vocab", "300")
+    assert again.returncode == 0 and epoch.stat().st_mtime_ns == made  # resumed: nothing trained again
+    assert json.loads(out.with_suffix(".json").read_text())["held_out"] == card["held_out"]
+    common = ["--prompt", "Name three fruits.", "--dtype", "float32", "--max-new-tokens", "24"]
+    ours = generate_json(*common, "--drafter", "eagle", "--eagle", str(out))
+    plain = generate_json(*common, "--mode", "baseline")
+    assert ours["drafter"] == "eagle" and ours["samples"][0]["token_ids"] == plain["samples"][0]["token_ids"]
+    bad = cli("generate", *common, "--drafter", "eagle", "--eagle", str(tmp_path / "missing.safetensors"))
+    assert bad.returncode != 0 and "No EAGLE drafter" in bad.stderr and "Traceback" not in bad.stderr

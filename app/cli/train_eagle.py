@@ -40,19 +40,21 @@ def train_eagle(
     draft = EagleDraft(stock, vocab)
     init_from_backbone(draft, stock)
     draft.float()
-    total = args.epochs * sum(1 for _ in eagle_train.batches(train_seqs, 4096, list(range(len(train_seqs)))))
+    total = eagle_train.total_batches(train_seqs, args.epochs, args.seed)
     started = time.perf_counter()
     with tqdm(total=total, desc="training the EAGLE layer", unit="batch") as bar:
 
         def epoch_done(epoch: int, result: dict) -> None:
             accept = ", ".join(f"{a:.2f}" for a in result["acceptance"])
             bar.write(
-                f"epoch {epoch}: held-out acceptance by depth {accept}; chain {result['chain_tokens_per_step']:.2f}"
+                f"epoch {epoch}: held-out acceptance by depth {accept}; chain {result['chain_tokens_per_step']:.2f}",
+                file=sys.stderr,
             )
 
         def step(batches: int, loss: float) -> None:
             bar.update(batches)
-            bar.set_postfix(loss=f"{loss:.3f}")
+            if loss == loss:  # not the NaN of batches a resumed run skips
+                bar.set_postfix(loss=f"{loss:.3f}")
 
         result, best_epoch = eagle_train.fit(
             draft, train_seqs, held_seqs, args.epochs, args.lr, args.passes, work / "eagle", seed=args.seed,
@@ -92,7 +94,8 @@ def _card(card: dict) -> str:
         f"- Data: the model's greedy replies to {card['prompts']} seed prompts; {card['replies_trained']} train "
         f"({card['train_tokens']} reply tokens), {card['replies_held_out']} held out.\n"
         f"- Training: {card['epochs']} epochs ({card['passes']} draft depths trained together, EAGLE-3's "
-        f"training-time test), best epoch {card['best_epoch']}; features {card['feature_seconds']} s and training "
+        f"training-time test), best epoch {card['best_epoch']}; in the last run features took "
+        f"{card['feature_seconds']} s (chunks an earlier run made are reused) and training "
         f"{card['training_seconds']} s on {card['threads']} CPU threads. A rerun resumes after the last finished "
         "epoch.\n"
         f"- {card['parameters']:,} parameters, {card['file_bytes'] / 1e6:.1f} MB (bf16).\n\n"

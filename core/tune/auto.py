@@ -141,11 +141,17 @@ def auto_drafter(
     """The policy-driven drafter for `kind` ("medusa": heads only, "lookup": context only,
     "retrieval": the model's past replies in `corpus` only, "hybrid": all three), its heads' prior
     from `preset`'s calibration (untrained heads start near 0); "eagle": the EAGLE draft layer
-    `eagle` with both lookups, each step's node count chosen from the costs."""
-    if kind in EAGLE_DRAFTERS:
-        from core.eagle_tree import eagle_drafter
+    `eagle` with both lookups, each step's node count chosen from the costs. "hybrid" with an
+    `eagle` layer: whichever of the two decodes faster on this machine, measured as it runs."""
+    from core.eagle_tree import eagle_drafter
 
+    if kind in EAGLE_DRAFTERS:
         return eagle_drafter(eagle, curve, corpus if kind in RETRIEVAL_DRAFTERS else None)
+    if kind == "hybrid" and eagle is not None:
+        from core.tune.switch import Fastest
+
+        heads_tree = auto_drafter(kind, heads, curve, preset, trained, corpus)
+        return Fastest({"heads": heads_tree, "eagle": eagle_drafter(eagle, curve, corpus)})
     use_heads = kind in HEAD_DRAFTERS and heads is not None
     prior = None
     if use_heads:

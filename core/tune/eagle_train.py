@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from transformers import DynamicCache, PreTrainedModel
 from core.eagle import EagleDraft
 
 CHUNK = 128  # transcripts per feature file
+TOKENS_PER_BATCH = 4096  # padded tokens a training batch holds
 DRAFT_VOCAB = 8192  # tokens the draft reads out over (97 % of the embedded model's reply tokens)
 
 
@@ -205,7 +207,7 @@ def train_epoch(
     passes: int,
     token_weight: float,
     decay: float,
-    tokens_per_batch: int = 4096,
+    tokens_per_batch: int = TOKENS_PER_BATCH,
 ) -> Iterator[float]:
     """One epoch over `order`; yields each batch's loss."""
     draft.train()
@@ -275,8 +277,19 @@ def optimizer_for(draft: EagleDraft, lr: float, steps: int):
     return optimizer, schedule
 
 
-def epochs_eta(done: int, total: int, seconds: float) -> float:
-    return seconds / max(done, 1) * (total - done) if done else math.nan
+def epoch_orders(n: int, epochs: int, seed: int) -> list[list[int]]:
+    """The shuffled order of the `n` training sequences in each epoch."""
+    rng = random.Random(seed)
+    orders = []
+    for _ in range(epochs):
+        order = list(range(n))
+        rng.shuffle(order)
+        orders.append(order)
+    return orders
+
+
+def total_batches(seqs: list[Sequence], epochs: int, seed: int) -> int:
+    return sum(count_batches(seqs, TOKENS_PER_BATCH, o) for o in epoch_orders(len(seqs), epochs, seed))
 
 
 def to_draft_index(vocab: Tensor, vocab_size: int) -> Tensor:
@@ -304,19 +317,13 @@ def fit(
     measured and the weights saved in `work` (a rerun resumes after the last finished epoch).
     The epoch whose chain gives the most tokens per step is loaded back at the end.
     Returns (that epoch's held-out result, its epoch)."""
-    import random
-
     from safetensors.torch import load_file
 
     to_draft = to_draft_index(draft.vocab, draft.vocab_size)
-    order_rng = random.Random(seed)
-    orders = []
-    for _ in range(epochs):
-        order = list(range(len(train_seqs)))
-        order_rng.shuffle(order)
-        orders.append(order)
-    per_epoch = [count_batches(train_seqs, 4096, o) for o in orders]
+    orders = epoch_orders(len(train_seqs), epochs, seed)
+    per_epoch = [count_batches(train_seqs, TOKENS_PER_BATCH, o) for o in orders]
     optimizer, schedule = optimizer_for(draft, lr, sum(per_epoch))
+    work.mkdir(parents=True, exist_ok=True)
     log = work / "epochs.jsonl"
     done: list[dict] = []
     if log.exists():
@@ -326,6 +333,7 @@ def fit(
         draft.load_state_dict(load_file(str(work / f"epoch-{done[-1]['epoch']}.safetensors")), strict=False)
         for _ in range(sum(per_epoch[: len(done)])):
             schedule.step()
+        progress(sum(per_epoch[: len(done)]), math.nan)
         for d in done:
             on_epoch(d["epoch"], d["result"])
     for epoch in range(len(done) + 1, epochs + 1):
