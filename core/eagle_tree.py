@@ -29,7 +29,7 @@ from torch import Tensor
 from core import fast
 from core.eagle import EagleDraft
 from core.errors import UserError
-from core.lookup import NgramIndex
+from core.lookup import NgramIndex, node_count
 from core.retrieval import RETRIEVAL_LENGTH, Corpus
 from core.step import Draft
 from core.tree import CONTEXT, EAGLE, RETRIEVAL, ROOT, build_tree, from_parents, graft
@@ -113,6 +113,8 @@ class EagleDrafter:
         self.draft_ms = 1.0  # running drafting time of a step
         self._plain_streak = 0
         self._expected = 0.0
+        self._offered = False  # the lookup's continuations went into the last tree
+        self.lookup_value = 0.5  # running tokens accepted from the lookups' continuations when offered
         self.root_only = build_tree([])
         self.last_choice = None
 
@@ -150,38 +152,67 @@ class EagleDrafter:
         t0 = time.perf_counter()
         self.last_choice = None
         curve = self.curve() or PRIOR_CURVE
+        found, source = self._lookups(history)
+        extra = node_count(found)
+        plain = Draft(root.view(1), self.root_only)
         probe = self._plain_streak % PROBE_EVERY == PROBE_EVERY - 1
-        if self.fixed_budget is None and self._plain_streak and not probe:
+        if (self.fixed_budget is None and self._plain_streak and not probe) or not self._flush():
             self._plain_streak += 1
-            self._expected = 0.0
-            return self._with_lookups(Draft(root.view(1), self.root_only), history)
-        if not self._flush():
-            return self._with_lookups(Draft(root.view(1), self.root_only), history)
+            pays = (1 + self.lookup_value) / curve.at(1 + extra) > 1 / curve.at(1)
+            return self._finish(plain, found if pays or self.fixed_budget else [], source, [], curve)
         tokens, parent, scores = self._grow()
         draft_ms = (time.perf_counter() - t0) * 1000
         self.draft_ms = 0.8 * self.draft_ms + 0.2 * draft_ms
         order = sorted(range(len(scores)), key=lambda i: -scores[i])
         chance = (torch.tensor(scores).exp() * self.calibration).clamp(max=1.0)
-        budget = self.fixed_budget if self.fixed_budget is not None else self._budget(order, chance, curve)
+        budget, found = (
+            (self.fixed_budget, found)
+            if self.fixed_budget is not None
+            else self._budget(order, chance, curve, found, extra)
+        )
         if budget == 0:
             self._plain_streak += 1
-            self._expected = 0.0
-            return self._with_lookups(Draft(root.view(1), self.root_only), history)
+            return self._finish(plain, found, source, [], curve)
         self._plain_streak = 0
         keep = _closed(order, parent, budget)
-        self._expected = float(chance[keep].sum())
         index = {-1: 0} | {n: i + 1 for i, n in enumerate(keep)}
         parents = [0] + [index[parent[n]] for n in keep]
         tree = from_parents(parents, [-1] * len(parents))
         ids = torch.tensor([int(root)] + [tokens[n] for n in keep], device=root.device)
-        draft = Draft(ids, tree if root.device.type == "cpu" else tree.to(root.device), (ROOT,) + (EAGLE,) * len(keep))
-        draft = self._with_lookups(draft, history)
-        nodes = draft.tree.size
-        reason = f"EAGLE tree of {len(keep)} nodes" + (
-            f", {nodes - 1 - len(keep)} copied" if nodes > len(keep) + 1 else ""
-        )
-        self.last_choice = Choice(len(keep), 0, nodes, 1 + self._expected, curve.at(nodes) + self.draft_ms, reason)
+        device = root.device
+        draft = Draft(ids, tree if device.type == "cpu" else tree.to(device), (ROOT,) + (EAGLE,) * len(keep))
+        return self._finish(draft, found, source, chance[keep].tolist(), curve)
+
+    def _finish(self, draft: Draft, found: list[list[int]], source: int, chances: list[float], curve) -> Draft:
+        """`draft` with the lookup's continuations grafted under the root, and why."""
+        self._expected = sum(chances)
+        self._offered = bool(found)
+        if found:
+            sources = list(draft.sources) if draft.sources else [ROOT]
+            tokens, tree, merged = graft(draft.tree, draft.tokens.tolist(), found, source, sources)
+            device = draft.tokens.device
+            tree = tree if device.type == "cpu" else tree.to(device)
+            draft = Draft(torch.tensor(tokens, device=device), tree, tuple(merged))
+        nodes, drafted = draft.tree.size, len(chances)
+        parts = [f"EAGLE tree of {drafted} nodes" if drafted else "no EAGLE nodes"]
+        if found:
+            parts.append(f"{nodes - 1 - drafted} copied")
+        expected = 1 + self._expected + (self.lookup_value if found else 0.0)
+        ms = curve.at(nodes) + (self.draft_ms if drafted else 0.0)
+        self.last_choice = Choice(drafted, 0, nodes, expected, ms, ", ".join(parts))
         return draft
+
+    def _lookups(self, history: Sequence[int]) -> tuple[list[list[int]], int]:
+        """The context's continuations of the history, else the past replies'."""
+        if len(history) < 2:
+            return [], CONTEXT
+        found: list[list[int]] = []
+        if self.index is not None:
+            self.index.sync(history)
+            found = self.index.continuations(self.branches, self.length)
+        if not found and self.corpus is not None:
+            return self.corpus.continuations(history, self.branches, RETRIEVAL_LENGTH)[0], RETRIEVAL
+        return found, CONTEXT
 
     def _grow(self) -> tuple[list[int], list[int], list[float]]:
         """Every drafted node: (token, parent node or −1 for the root, log-probability of its path)."""
@@ -234,49 +265,39 @@ class EagleDrafter:
         cache.length = base
         return tokens, parent, scores
 
-    def _budget(self, order: list[int], chance: Tensor, curve: CostCurve) -> int:
-        """The node count with the most expected tokens per millisecond; 0 where plain wins."""
+    def _budget(
+        self, order: list[int], chance: Tensor, curve: CostCurve, found: list[list[int]], extra: int
+    ) -> tuple[int, list[list[int]]]:
+        """The EAGLE node count, and whether the lookup's continuations go in too, with the most
+        expected tokens per millisecond (a lookup's worth: its running accepted tokens a step)."""
         sorted_chance = chance[order]
-        best, best_rate = 0, 1.0 / curve.at(1)
-        for b in BUDGETS:
-            if b > len(order):
-                break
-            rate = (1 + float(sorted_chance[:b].sum())) / (curve.at(b + 1) + self.draft_ms)
-            if rate > best_rate:
-                best, best_rate = b, rate
+        best, best_rate = (0, []), 1.0 / curve.at(1)
+        for with_lookup in (False, True) if found else (False,):
+            bonus, nodes = (self.lookup_value, extra) if with_lookup else (0.0, 0)
+            for b in (0, *BUDGETS):
+                if b > len(order):
+                    break
+                cost = curve.at(b + 1 + nodes) + (self.draft_ms if b else 0.0)
+                rate = (1 + bonus + float(sorted_chance[:b].sum())) / cost
+                if rate > best_rate:
+                    best, best_rate = (b, found if with_lookup else []), rate
         return best
 
-    def _with_lookups(self, draft: Draft, history: Sequence[int]) -> Draft:
-        """The context's (else the past replies') continuations grafted under the root."""
-        if len(history) < 2 or (self.index is None and self.corpus is None):
-            return draft
-        found, source = [], CONTEXT
-        if self.index is not None:
-            self.index.sync(history)
-            found = self.index.continuations(self.branches, self.length)
-        if not found and self.corpus is not None:
-            found, source = self.corpus.continuations(history, self.branches, RETRIEVAL_LENGTH)[0], RETRIEVAL
-        if not found:
-            return draft
-        sources = list(draft.sources) if draft.sources else [ROOT]
-        tokens, tree, merged = graft(draft.tree, draft.tokens.tolist(), found, source, sources)
-        device = draft.tokens.device
-        return Draft(
-            torch.tensor(tokens, device=device), tree if device.type == "cpu" else tree.to(device), tuple(merged)
-        )
-
     def observe(self, draft: Draft, emitted: Sequence[int], seconds: float) -> None:
-        """Learn how far the draft's own probabilities over- or under-state acceptance."""
-        if self._expected <= 0:
-            return
+        """Learn how far the draft's own probabilities over- or under-state acceptance, and what
+        the lookups' continuations are worth."""
         tokens, children = draft.tokens.tolist(), draft.tree.children.tolist()
-        node, accepted = 0, 0
-        for token in emitted[:-1]:  # follow the accepted path, counting the draft's own nodes
+        node, accepted, copied = 0, 0, 0
+        for token in emitted[:-1]:  # follow the accepted path, counting each source's nodes
             node = next((c for c in children[node] if c >= 0 and tokens[c] == token), -1)
             if node < 0:
                 break
             accepted += draft.source(node) == EAGLE
-        self.calibration = 0.9 * self.calibration + 0.1 * min(accepted / self._expected, 2.0)
+            copied += draft.source(node) in (CONTEXT, RETRIEVAL)
+        if self._expected > 0:
+            self.calibration = 0.9 * self.calibration + 0.1 * min(accepted / self._expected, 2.0)
+        if self._offered:
+            self.lookup_value = 0.9 * self.lookup_value + 0.1 * copied
 
 
 def _closed(order: list[int], parent: list[int], budget: int) -> list[int]:

@@ -50,11 +50,19 @@ class AutoDrafter:
         self.corpus = corpus if policy.use_retrieval else None
         self._trees: dict[tuple, TreeBuffers] = {}
         self._length = self._next_length = -1  # the history's length at the last step, and after it
+        self._new_reply: bool | None = None  # told by `feed` (None: never fed, the lengths tell)
         self._last: tuple | None = None  # (choice, candidates, probs, found, retrieved, evidence) of the step
 
+    def feed(self, features: Tensor, next_ids: Tensor, position: int) -> None:
+        """The decode loop's word on where a step starts: position 0 begins a new reply (steps
+        another drafter took in between, under `switch.Fastest`, are not one)."""
+        self._new_reply = position == 0 or bool(self._new_reply)
+
     def propose(self, hidden: Tensor, root: Tensor, history: Sequence[int] = ()) -> Draft:
-        if len(history) != self._next_length:  # not the continuation of the last step: a new reply
+        new = self._new_reply if self._new_reply is not None else len(history) != self._next_length
+        if new:  # not the continuation of the last step: a new reply
             self.policy.new_reply()
+        self._new_reply = None if self._new_reply is None else False
         self._length = len(history)
         found: list[list[int]] = []
         if self.policy.use_lookup and len(history) > 1:

@@ -1,11 +1,14 @@
 """Whichever drafter decodes fastest here: each is measured as it runs, on this machine.
 
 `Fastest` holds several drafters (the heads' policy-driven tree, the EAGLE layer's) and runs
-one at a time. Each first gets `BLOCK` steps; after that the one with the most tokens per second
-of step time over its last `WINDOW` steps runs, and every `REVISIT` steps each other one gets
-`BLOCK` steps again, so a drafter that would now be faster (another kind of reply, another
-load on the machine) is found. Every drafter that reads the backbone's features is fed all
-of them, whichever ran, so the one switched to drafts from the whole context.
+one at a time. Rates are compared only in *trials*: `TRIAL` steps in which the drafters take
+turns step by step, so each meets the same stretch of text (a repetitive passage favours
+every drafter alike; a comparison across different passages would favour whichever happened
+to run on the easy one). Between trials the drafter with the most tokens per second of step
+time over its last `MEMORY` trials runs; the first trial opens the first reply, and one
+follows every `EVERY` steps, so a drafter that becomes faster (another load on the machine,
+another kind of conversation) takes over. Every drafter that reads the backbone's features is
+fed all of them, whichever ran, so the one switched to drafts from the whole context.
 """
 
 from __future__ import annotations
@@ -18,43 +21,40 @@ from torch import Tensor
 
 from core.step import Draft
 
-BLOCK = 8  # steps a drafter runs when it is tried
-WINDOW = 48  # steps a drafter's rate is measured over
-REVISIT = 96  # steps between tries of the drafters that are not the fastest
+TRIAL = 16  # steps of one trial, taken in turns
+EVERY = 160  # steps between trials
+MEMORY = 4  # trials a drafter's rate is measured over
 
 
 class Fastest:
     def __init__(self, drafters: dict[str, object]) -> None:
         self.drafters = drafters
-        self.history: dict[str, deque[tuple[int, float]]] = {n: deque(maxlen=WINDOW) for n in drafters}
+        self.trials: dict[str, deque[list[float]]] = {n: deque(maxlen=MEMORY) for n in drafters}
         self.active = next(iter(drafters))
-        self._block = 0  # steps left in the current try (0: the fastest runs)
-        self._since = 0  # steps since the last tries
-        self._turn = -1  # which of the others is tried next
+        self._trial = TRIAL  # steps left in the running trial (0: none runs)
+        self._since = 0  # steps since the last trial ended
+        self._names = list(drafters)
+        self._turn = 0
+        self._open = False  # each drafter's tally for the running trial is open
 
     def rate(self, name: str) -> float | None:
-        """Tokens per second of step time over `name`'s last steps (None before a full try)."""
-        steps = self.history[name]
-        if len(steps) < BLOCK:
-            return None
-        seconds = sum(s for _, s in steps)
-        return sum(t for t, _ in steps) / seconds if seconds > 0 else None
+        """Tokens per second of step time over `name`'s last trials (None before one)."""
+        tokens = sum(t for t, _ in self.trials[name])
+        seconds = sum(s for _, s in self.trials[name])
+        return tokens / seconds if seconds > 0 else None
 
     def _pick(self) -> str:
-        untried = [n for n in self.drafters if self.rate(n) is None]
-        if self._block > 0:
-            return self.active
-        if untried:
-            self._block = BLOCK
-            return untried[0]
-        best = max(self.drafters, key=lambda n: self.rate(n) or 0.0)
+        if self._trial == 0 and self._since >= EVERY:
+            self._trial, self._since = TRIAL, 0
+        if self._trial > 0:
+            if not self._open:
+                for name in self._names:
+                    self.trials[name].append([0.0, 0.0])
+                self._open = True
+            self._turn = (self._turn + 1) % len(self._names)
+            return self._names[self._turn]
         self._since += 1
-        if self._since >= REVISIT and len(self.drafters) > 1:
-            self._since, self._block = 0, BLOCK
-            others = [n for n in self.drafters if n != best]
-            self._turn += 1
-            return others[self._turn % len(others)]
-        return best
+        return max(self._names, key=lambda n: self.rate(n) or 0.0)
 
     def feed(self, features: Tensor, next_ids: Tensor, position: int) -> None:
         for drafter in self.drafters.values():
@@ -66,9 +66,12 @@ class Fastest:
         return self.drafters[self.active].propose(hidden, root, history)
 
     def observe(self, draft: Draft, emitted: Sequence[int], seconds: float) -> None:
-        if self._block > 0:
-            self._block -= 1
-        self.history[self.active].append((len(emitted), seconds))
+        if self._trial > 0:
+            tally = self.trials[self.active][-1]
+            tally[0] += len(emitted)
+            tally[1] += seconds
+            self._trial -= 1
+            self._open = self._trial > 0
         if (observe := getattr(self.drafters[self.active], "observe", None)) is not None:
             observe(draft, emitted, seconds)
 
