@@ -283,3 +283,22 @@ def test_train_drafter_eagle_then_generate_with_it(tmp_path):
     assert ours["drafter"] == "eagle" and ours["samples"][0]["token_ids"] == plain["samples"][0]["token_ids"]
     bad = cli("generate", *common, "--drafter", "eagle", "--eagle", str(tmp_path / "missing.safetensors"))
     assert bad.returncode != 0 and "No EAGLE drafter" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_shipped_drafter_drafts_for_the_embedded_model_exactly_and_is_accepted():
+    from importlib import resources
+    from pathlib import Path
+
+    from models.loader import eagle_for, load_backbone
+
+    backbone = load_backbone(dtype="float32")
+    file = Path(str(resources.files("assets") / "eagle" / "smollm2-135m-instruct.safetensors"))
+    draft, card = load_draft(file, backbone.model, backbone.name)
+    assert card.acceptance[0] > 0.3 and len(draft.vocab) == 8192
+    assert eagle_for(backbone) is not None  # found by the model's id
+    prompt = backbone.encode_chat("Explain how a refrigerator keeps food cold.")
+    reference = plain_tokens(backbone.model, prompt, 64)
+    drafter = EagleDrafter(draft, torch.float32, lookup=False, budget=6)
+    events, done = collect(stream(backbone.model, prompt, DecodeSettings(max_new_tokens=64), drafter))
+    assert list(done.token_ids) == reference
+    assert sum(s == "eagle" for e in events for s in e.sources) > 10  # the trained layer's drafts are accepted
