@@ -160,6 +160,7 @@ class Engine:
             return f"**Loading** {self.model_id}…"
         b = self.loaded.backbone
         heads = "trained heads" if self.loaded.trained else "untrained heads (few drafts accepted)"
+        heads += " · EAGLE drafter" if self.loaded.eagle is not None else ""
         dtype = str(b.model.dtype).removeprefix("torch.")
         # a many-token verify forward rounds differently from a one-token one below float32
         exact = "" if b.model.dtype == torch.float32 else f" · lossless is exact up to {dtype} rounding"

@@ -111,7 +111,9 @@ class EagleDrafter:
         self._last_out: Tensor | None = None  # (H,) output of the last committed entry
         self.calibration = 1.0  # realized accepted drafts ÷ the draft's own expectation (running)
         self.draft_ms = 1.0  # running drafting time of a step
+        self.plain_ms: float | None = None  # running time of a plain step (prices trees until the curve is measured)
         self._plain_streak = 0
+        self._drafted = False  # the last step ran the draft layer
         self._expected = 0.0
         self._offered = False  # the lookup's continuations went into the last tree
         self.lookup_value = 0.5  # running tokens accepted from the lookups' continuations when offered
@@ -151,7 +153,8 @@ class EagleDrafter:
     def propose(self, hidden: Tensor, root: Tensor, history: Sequence[int] = ()) -> Draft:
         t0 = time.perf_counter()
         self.last_choice = None
-        curve = self.curve() or PRIOR_CURVE
+        self._drafted = False
+        curve = self.curve() or self._prior()
         found, source = self._lookups(history)
         extra = node_count(found)
         plain = Draft(root.view(1), self.root_only)
@@ -161,6 +164,7 @@ class EagleDrafter:
             pays = (1 + self.lookup_value) / curve.at(1 + extra) > 1 / curve.at(1)
             return self._finish(plain, found if pays or self.fixed_budget else [], source, [], curve)
         tokens, parent, scores = self._grow()
+        self._drafted = True
         draft_ms = (time.perf_counter() - t0) * 1000
         self.draft_ms = 0.8 * self.draft_ms + 0.2 * draft_ms
         order = sorted(range(len(scores)), key=lambda i: -scores[i])
@@ -201,6 +205,12 @@ class EagleDrafter:
         ms = curve.at(nodes) + (self.draft_ms if drafted else 0.0)
         self.last_choice = Choice(drafted, 0, nodes, expected, ms, ", ".join(parts))
         return draft
+
+    def _prior(self) -> CostCurve:
+        """Before this machine's curve is measured: the prior's shape, in the plain steps' real
+        milliseconds as this drafter has seen them (10 ms before it has seen one)."""
+        scale = (self.plain_ms or 10.0) / PRIOR_CURVE.at(1)
+        return CostCurve({n: ms * scale for n, ms in PRIOR_CURVE.step_ms.items()}, PRIOR_CURVE.heads_ms * scale)
 
     def _lookups(self, history: Sequence[int]) -> tuple[list[list[int]], int]:
         """The context's continuations of the history, else the past replies'."""
@@ -286,6 +296,9 @@ class EagleDrafter:
     def observe(self, draft: Draft, emitted: Sequence[int], seconds: float) -> None:
         """Learn how far the draft's own probabilities over- or under-state acceptance, and what
         the lookups' continuations are worth."""
+        if draft.tree.size == 1 and not self._drafted:  # a plain step that drafted nothing either
+            ms = seconds * 1000
+            self.plain_ms = ms if self.plain_ms is None else 0.9 * self.plain_ms + 0.1 * ms
         tokens, children = draft.tokens.tolist(), draft.tree.children.tolist()
         node, accepted, copied = 0, 0, 0
         for token in emitted[:-1]:  # follow the accepted path, counting each source's nodes

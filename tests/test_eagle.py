@@ -16,6 +16,8 @@ from core.eagle_tree import EagleDrafter, LeanDraft
 from core.errors import UserError
 from core.generate import collect, stream
 from core.settings import DecodeSettings
+from core.step import Draft
+from core.tree import build_tree
 from core.tune import eagle_train
 from models.eagle_formats import load_published
 from tests.helpers import ARCHS, plain_tokens, three_token_p_value, tiny_model
@@ -302,3 +304,13 @@ def test_shipped_drafter_drafts_for_the_embedded_model_exactly_and_is_accepted()
     events, done = collect(stream(backbone.model, prompt, DecodeSettings(max_new_tokens=64), drafter))
     assert list(done.token_ids) == reference
     assert sum(s == "eagle" for e in events for s in e.sources) > 10  # the trained layer's drafts are accepted
+
+
+def test_before_the_curve_is_measured_trees_are_priced_in_the_plain_steps_own_time():
+    model = tiny_model("llama")
+    drafter = EagleDrafter(_draft(model), model.dtype, lookup=False)
+    plain = Draft(torch.tensor([1]), build_tree([]))
+    for _ in range(50):
+        drafter.observe(plain, [1], 0.008)  # 8 ms plain steps
+    assert drafter._prior().at(1) == pytest.approx(8.0, rel=1e-3)
+    assert drafter._prior().at(16) > drafter._prior().at(1)
