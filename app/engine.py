@@ -33,7 +33,17 @@ from core.tree import AUTO, DRAFTERS, Preset, load_preset, preset_names
 from core.tune.auto import auto_drafter
 from core.tune.costs import StepCosts
 from core.worker import ComputeThread
-from models.loader import Backbone, corpus_for, eagle_for, heads_for, load_backbone, resolve, resolve_heads, step_costs
+from models.loader import (
+    Backbone,
+    corpus_for,
+    eagle_for,
+    heads_for,
+    load_backbone,
+    resolve,
+    resolve_eagle,
+    resolve_heads,
+    step_costs,
+)
 
 LEARN_BATCH = 100  # saved replies tokenized per compute job
 log = logging.getLogger("medusa-chat")
@@ -111,16 +121,23 @@ class Engine:
 
     def load(self, model: str, on_progress: Callable | None = None) -> None:
         spec = resolve(model, on_progress)  # downloads here, in the caller's thread
+        own = model == self.model_id  # --heads and --eagle belong to the model the app started with
+        heads_dir = resolve_heads(self.heads_arg, on_progress) if own and self.heads_arg else spec.heads_folder
+        eagle_path = spec.eagle
+        if own and self.eagle_arg:
+            try:
+                eagle_path = resolve_eagle(self.eagle_arg, on_progress)
+            except UserError as e:  # a bad --eagle costs the EAGLE drafter, not the model
+                print(f"{e} The EAGLE drafter is off.", file=sys.stderr)
+                eagle_path = None
 
         def build() -> Loaded:
             backbone = load_backbone(model, spec=spec, **self.options)
-            own = self.heads_arg and model == self.model_id
-            heads_dir = resolve_heads(self.heads_arg) if own else spec.heads_folder
             heads, trained = heads_for(backbone, heads_dir)
             default = spec.tree if spec.tree in preset_names() else "cpu-16"
             try:
-                eagle = eagle_for(backbone, self.eagle_arg if model == self.model_id else None)
-            except UserError as e:  # a bad --eagle file costs the EAGLE drafter, not the model
+                eagle = eagle_for(backbone, eagle_path)
+            except UserError as e:  # a drafter that does not fit costs the EAGLE drafter, not the model
                 print(f"{e} The EAGLE drafter is off.", file=sys.stderr)
                 eagle = None
             costs = step_costs(backbone, heads)

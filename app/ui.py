@@ -69,7 +69,7 @@ def _model_choices() -> list[tuple[str, str]]:
         if e.embedded:
             state = "embedded"
         else:
-            cached = cached_state([s for s in (e.backbone, e.heads, e.tokenizer) if s])
+            cached = cached_state(e.sources)
             state = "cached" if cached == "cached" else f"{e.download_gb:.1f} GB download"
         out.append((f"{e.name} · {state} · ~{e.memory_gb_4bit:.1f} GB at 4-bit", e.id))
     return out

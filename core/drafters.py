@@ -79,19 +79,39 @@ class LookupDrafter:
 
     def propose(self, hidden: Tensor, root: Tensor, history: Sequence[int] = ()) -> Draft:
         draft = self.base.propose(hidden, root, history) if self.base else Draft(root.view(1), self.root_only)
-        found, source = [], CONTEXT
-        if self.index is not None:
-            self.index.sync(history)
-            found = self.index.continuations(self.branches, self.length) if len(history) > 1 else []
-        if not found and self.corpus is not None and len(history) > 1:
-            found, source = self.corpus.continuations(history, self.branches, self.length)[0], RETRIEVAL
-        if not found:
-            return draft
-        tokens, tree, sources = graft(draft.tree, draft.tokens.tolist(), found, source)
-        device = draft.tokens.device
-        return Draft(
-            torch.tensor(tokens, device=device), tree if device.type == "cpu" else tree.to(device), tuple(sources)
-        )
+        found, source = continuations(self.index, self.corpus, history, self.branches, self.length, self.length)
+        return with_branches(draft, found, source)
+
+
+def continuations(
+    index: NgramIndex | None,
+    corpus: Corpus | None,
+    history: Sequence[int],
+    branches: int,
+    length: int,
+    corpus_length: int,
+) -> tuple[list[list[int]], int]:
+    """Continuations of the history's longest earlier-seen suffix in the context (`index`), else
+    in the past replies (`corpus`, `corpus_length` tokens long), and which (CONTEXT or RETRIEVAL)."""
+    if len(history) < 2:
+        return [], CONTEXT
+    found: list[list[int]] = []
+    if index is not None:
+        index.sync(history)
+        found = index.continuations(branches, length)
+    if not found and corpus is not None:
+        return corpus.continuations(history, branches, corpus_length)[0], RETRIEVAL
+    return found, CONTEXT
+
+
+def with_branches(draft: Draft, found: list[list[int]], source: int) -> Draft:
+    """`draft` with the continuations `found` grafted under its root (see `tree.graft`)."""
+    if not found:
+        return draft
+    base = list(draft.sources) if draft.sources else None
+    tokens, tree, sources = graft(draft.tree, draft.tokens.tolist(), found, source, base)
+    device = draft.tokens.device
+    return Draft(torch.tensor(tokens, device=device), tree if device.type == "cpu" else tree.to(device), tuple(sources))
 
 
 def make_drafter(

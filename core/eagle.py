@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from core.errors import UserError
+from core.files import save_tensors
 
 FORMAT = "medusa-chat-eagle-1"  # the safetensors metadata "format" of a drafter file
 
@@ -130,8 +130,7 @@ class DrafterCard:
 
 
 def save_draft(file: Path, draft: EagleDraft, card: DrafterCard) -> None:
-    tensors = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()
-               for k, v in draft.state_dict().items() if not k.startswith("rotary.")}  # fmt: skip
+    tensors = {k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v for k, v in draft.state_dict().items()}
     meta = {
         "format": FORMAT,
         "model": card.model,
@@ -140,10 +139,7 @@ def save_draft(file: Path, draft: EagleDraft, card: DrafterCard) -> None:
         "acceptance": json.dumps(list(card.acceptance)),
         "norms": json.dumps({"input": draft.input_norm, "output": draft.output_norm}),
     }
-    file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    tmp.replace(file)
+    save_tensors(file, tensors, meta)
 
 
 def load_draft(file: Path, model: nn.Module, model_name: str | None = None) -> tuple[EagleDraft, DrafterCard]:
@@ -157,33 +153,36 @@ def load_draft(file: Path, model: nn.Module, model_name: str | None = None) -> t
         raise UserError(f"The EAGLE drafter {file} cannot be read ({e.__class__.__name__}); replace it.") from e
     vocab = model.get_output_embeddings().weight.shape[0]
     hidden = model.config.get_text_config().hidden_size
-    card = DrafterCard(
-        meta.get("model", ""),
-        int(meta.get("vocab_size", -1)),
-        int(meta.get("hidden_size", -1)),
-        tuple(json.loads(meta.get("acceptance", "[]"))),
-    )
+    not_ours = UserError(f"{file} is not a medusa-chat EAGLE drafter; make one with `medusa-chat train-drafter`.")
     if meta.get("format") != FORMAT or "vocab" not in tensors:
-        raise UserError(f"{file} is not a medusa-chat EAGLE drafter; make one with `medusa-chat train-drafter`.")
+        raise not_ours
+    try:
+        card = DrafterCard(
+            meta.get("model", ""),
+            int(meta.get("vocab_size", -1)),
+            int(meta.get("hidden_size", -1)),
+            tuple(json.loads(meta.get("acceptance", "[]"))),
+        )
+        norms = json.loads(meta.get("norms", "{}"))
+    except (ValueError, TypeError):  # metadata damaged past its format tag
+        raise not_ours from None
     if card.vocab_size != vocab or card.hidden_size != hidden or (model_name and card.model not in ("", model_name)):
         raise UserError(
             f"The EAGLE drafter {file} was made for {card.model or 'another model'} "
             f"(vocabulary {card.vocab_size}, width {card.hidden_size}), not this one; train one for it."
         )
-    norms = json.loads(meta.get("norms", "{}"))
     draft = EagleDraft(model, tensors["vocab"], norms.get("input", True), norms.get("output", True))
     return fill(draft, tensors, str(file)), card
 
 
 def fill(draft: EagleDraft, tensors: dict[str, Tensor], name: str) -> EagleDraft:
-    """`draft` with every weight from `tensors` (the rotary tables are computed, not stored)."""
+    """`draft` with every weight from `tensors`, which must hold exactly the draft's."""
     model_device = draft._embed[0].weight.device
     try:
         missing, unexpected = draft.load_state_dict(tensors, strict=False)
     except RuntimeError as e:  # a tensor of the wrong shape
         first = str(e).strip().splitlines()[-1].strip()
         raise UserError(f"The EAGLE drafter {name} does not fit this model's layer ({first}).") from e
-    missing = [k for k in missing if not k.startswith("rotary.")]
     if missing or unexpected:
         raise UserError(
             f"The EAGLE drafter {name} does not fit this model's layer "

@@ -27,12 +27,13 @@ import torch
 from torch import Tensor
 
 from core import fast
+from core.drafters import continuations, with_branches
 from core.eagle import EagleDraft
 from core.errors import UserError
 from core.lookup import NgramIndex, node_count
 from core.retrieval import RETRIEVAL_LENGTH, Corpus
 from core.step import Draft
-from core.tree import CONTEXT, EAGLE, RETRIEVAL, ROOT, build_tree, from_parents, graft
+from core.tree import CONTEXT, EAGLE, RETRIEVAL, ROOT, build_tree, from_parents
 from core.tune.policy import PRIOR_CURVE, Choice, CostCurve
 
 TOP_K = 8  # candidates under each expanded node
@@ -125,13 +126,11 @@ class EagleDrafter:
     def feed(self, features: Tensor, next_ids: Tensor, position: int) -> None:
         """The backbone's features at positions `position` … and the token after each (the last
         one the next root). Position 0 starts a new reply."""
-        if position == 0:
+        if position == 0 or position != self.cache.length + self._pending_rows:
             self.cache.truncate(0)
             self._pending, self._pending_rows, self._last_out = [], 0, None
-        if position != self.cache.length + self._pending_rows:  # not where the draft left off
-            self.cache.truncate(0)
-            self._pending, self._pending_rows, self._last_out = [], 0, None
-            return
+            if position != 0:  # not where the draft left off: nothing to draft from until a new reply
+                return
         self._pending.append((features, next_ids))
         self._pending_rows += len(next_ids)
 
@@ -155,7 +154,7 @@ class EagleDrafter:
         self.last_choice = None
         self._drafted = False
         curve = self.curve() or self._prior()
-        found, source = self._lookups(history)
+        found, source = continuations(self.index, self.corpus, history, self.branches, self.length, RETRIEVAL_LENGTH)
         extra = node_count(found)
         plain = Draft(root.view(1), self.root_only)
         probe = self._plain_streak % PROBE_EVERY == PROBE_EVERY - 1
@@ -182,21 +181,18 @@ class EagleDrafter:
         index = {-1: 0} | {n: i + 1 for i, n in enumerate(keep)}
         parents = [0] + [index[parent[n]] for n in keep]
         tree = from_parents(parents, [-1] * len(parents))
-        ids = torch.tensor([int(root)] + [tokens[n] for n in keep], device=root.device)
         device = root.device
+        ids = torch.tensor([int(root)] + [tokens[n] for n in keep], device=device)
         draft = Draft(ids, tree if device.type == "cpu" else tree.to(device), (ROOT,) + (EAGLE,) * len(keep))
         return self._finish(draft, found, source, chance[keep].tolist(), curve)
 
-    def _finish(self, draft: Draft, found: list[list[int]], source: int, chances: list[float], curve) -> Draft:
+    def _finish(
+        self, draft: Draft, found: list[list[int]], source: int, chances: list[float], curve: CostCurve
+    ) -> Draft:
         """`draft` with the lookup's continuations grafted under the root, and why."""
         self._expected = sum(chances)
         self._offered = bool(found)
-        if found:
-            sources = list(draft.sources) if draft.sources else [ROOT]
-            tokens, tree, merged = graft(draft.tree, draft.tokens.tolist(), found, source, sources)
-            device = draft.tokens.device
-            tree = tree if device.type == "cpu" else tree.to(device)
-            draft = Draft(torch.tensor(tokens, device=device), tree, tuple(merged))
+        draft = with_branches(draft, found, source)
         nodes, drafted = draft.tree.size, len(chances)
         parts = [f"EAGLE tree of {drafted} nodes" if drafted else "no EAGLE nodes"]
         if found:
@@ -211,18 +207,6 @@ class EagleDrafter:
         milliseconds as this drafter has seen them (10 ms before it has seen one)."""
         scale = (self.plain_ms or 10.0) / PRIOR_CURVE.at(1)
         return CostCurve({n: ms * scale for n, ms in PRIOR_CURVE.step_ms.items()}, PRIOR_CURVE.heads_ms * scale)
-
-    def _lookups(self, history: Sequence[int]) -> tuple[list[list[int]], int]:
-        """The context's continuations of the history, else the past replies'."""
-        if len(history) < 2:
-            return [], CONTEXT
-        found: list[list[int]] = []
-        if self.index is not None:
-            self.index.sync(history)
-            found = self.index.continuations(self.branches, self.length)
-        if not found and self.corpus is not None:
-            return self.corpus.continuations(history, self.branches, RETRIEVAL_LENGTH)[0], RETRIEVAL
-        return found, CONTEXT
 
     def _grow(self) -> tuple[list[int], list[int], list[float]]:
         """Every drafted node: (token, parent node or −1 for the root, log-probability of its path)."""

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from core.errors import UserError
+from core.files import save_tensors
 
 MIN_MATCH = 2  # suffix tokens that must occur in the corpus before it drafts (one token says little)
 MAX_MATCH = 16  # the longest suffix matched (longer ones rarely narrow the continuations further)
@@ -189,9 +189,8 @@ def save_corpus(
     held-out hit rate of each evidence class (what the speculation policy starts from)."""
     flat = torch.tensor([t for d in docs for t in d], dtype=torch.int32)
     lengths = torch.tensor([len(d) for d in docs], dtype=torch.int32)
-    file.parent.mkdir(parents=True, exist_ok=True)
     meta = {"format": str(FORMAT), "model": model, "vocab_size": str(vocab_size), "hit_rates": json.dumps(hit_rates)}
-    save_file({"ids": flat, "lengths": lengths}, file, metadata=meta)
+    save_tensors(file, {"ids": flat, "lengths": lengths}, meta)
 
 
 def load_corpus(file: Path, vocab_size: int) -> Corpus:

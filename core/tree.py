@@ -31,10 +31,9 @@ DRAFT_SOURCES = SOURCES[1:]  # where an accepted drafted token came from
 DRAFTERS = ("medusa", "lookup", "retrieval", "hybrid", "eagle")
 HEAD_DRAFTERS = ("medusa", "hybrid")  # the drafters that need Medusa heads
 LOOKUP_DRAFTERS = ("lookup", "hybrid", "eagle")  # the drafters that copy from the context
-RETRIEVAL_DRAFTERS = ("retrieval", "hybrid", "eagle")
-EAGLE_DRAFTERS = (
-    "eagle",
-)  # the drafters that need an EAGLE draft layer  # the drafters that copy from the model's past replies
+RETRIEVAL_DRAFTERS = ("retrieval", "hybrid", "eagle")  # the drafters that copy from the model's past replies
+EAGLE_DRAFTERS = ("eagle",)  # the drafters that need an EAGLE draft layer
+EAGLE_OPTIONAL = ("hybrid",)  # with --tree auto, also run the EAGLE layer where the model has one
 AUTO = "auto"  # the tree name that lets the speculation policy choose each step's tree (the default)
 ROOT, HEADS, CONTEXT, BOTH, RETRIEVAL, EAGLE = range(6)
 

@@ -44,6 +44,11 @@ class Entry:
     def embedded(self) -> bool:
         return self.backbone is None
 
+    @property
+    def sources(self) -> list[Source]:
+        """Everything a download of this model fetches."""
+        return [s for s in (self.backbone, self.heads, self.tokenizer, self.eagle) if s]
+
 
 def _source(data: dict | None) -> Source | None:
     if data is None:

@@ -43,6 +43,7 @@ class ModelSpec:
     heads_folder: Path | None  # default heads (catalog or shipped), None if there are none
     chat_template: str | None  # a template text that overrides the tokenizer's, if any
     tree: str  # default tree preset
+    eagle: Path | None = None  # the model's EAGLE drafter: a shipped file or a published checkpoint's folder
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,8 @@ def resolve(name: str, on_progress=None) -> ModelSpec:
     if name == EMBEDDED_ID:
         folder = embedded_dir()
         entry = catalog.find(name)
-        return ModelSpec(name, folder, folder, shipped_heads_dir(name), None, entry.tree if entry else "cpu-16")
+        tree = entry.tree if entry else "cpu-16"
+        return ModelSpec(name, folder, folder, shipped_heads_dir(name), None, tree, shipped_eagle(name))
     if entry := catalog.find(name):
         label = entry.id
         folder = _fetch_source(entry.backbone, label, on_progress, weights=True)
@@ -99,7 +101,8 @@ def resolve(name: str, on_progress=None) -> ModelSpec:
             heads = _fetch_source(entry.heads, label, on_progress)
         else:
             heads = folder if entry.head_format == "full-checkpoint" else None
-        return ModelSpec(name, folder, tokenizer, heads, _template(entry.chat_template), entry.tree)
+        eagle = _fetch_source(entry.eagle, label, on_progress) if entry.eagle else None
+        return ModelSpec(name, folder, tokenizer, heads, _template(entry.chat_template), entry.tree, eagle)
     local = Path(name).expanduser()
     if (local / "config.json").is_file():
         return ModelSpec(name, local, local, None, None, "cpu-16")
@@ -312,39 +315,32 @@ def corpus_for(backbone: Backbone) -> Corpus | None:
         return None
 
 
-def eagle_for(backbone: Backbone, source: str | Path | None = None, on_progress=None) -> EagleDraft | None:
-    """The EAGLE draft layer to draft with: `source` (see `_eagle_from`) or, without one, the
-    catalog model's published drafter, else the one that ships with it (None if none ships; one
-    sentence on stderr, and None, if the shipped one cannot be used)."""
-    if source:
-        return _eagle_from(str(source), backbone, on_progress)
-    entry = catalog.find(backbone.name)
-    if entry is not None and entry.eagle is not None:  # a published drafter, fetched when first asked for
-        folder = _fetch_source(entry.eagle, f"the EAGLE drafter for {entry.name}", on_progress)
-        return load_published(folder, backbone.model)
-    file = Path(str(resources.files("assets") / "eagle" / f"{backbone.name}.safetensors"))
-    if not re.fullmatch(r"[\w.-]+", backbone.name) or not file.is_file():  # catalog ids only, not paths
-        return None
-    try:
-        return load_draft(file, backbone.model, backbone.name)[0]
-    except UserError as e:
-        print(f"{e} Drafting goes on without it.", file=sys.stderr)
-        return None
+def shipped_eagle(model_id: str) -> Path | None:
+    file = Path(str(resources.files("assets") / "eagle" / f"{model_id}.safetensors"))
+    return file if file.is_file() else None
 
 
-def _eagle_from(name: str, backbone: Backbone, on_progress) -> EagleDraft:
+def resolve_eagle(name: str, on_progress=None) -> Path:
     """--eagle: a drafter file from `train-drafter`, or an EAGLE-1/2 checkpoint's folder or hub repo id."""
     local = Path(name).expanduser()
-    if local.is_file():
-        return load_draft(local, backbone.model, backbone.name)[0]
-    if local.is_dir():
-        return load_published(local, backbone.model)
+    if local.is_file() or local.is_dir():
+        return local
     if local.exists() or not _is_repo_id(name):
         raise UserError(
             f"No EAGLE drafter '{name}'; pass a .safetensors file from `train-drafter --kind eagle`, "
             "or an EAGLE checkpoint's folder or hub repo id (org/name)."
         )
-    return load_published(hub.fetch(name, patterns=EAGLE_FILES, on_progress=on_progress), backbone.model)
+    return hub.fetch(name, patterns=EAGLE_FILES, on_progress=on_progress)
+
+
+def eagle_for(backbone: Backbone, path: Path | None) -> EagleDraft | None:
+    """The EAGLE draft layer at `path` (a drafter file, or a published checkpoint's folder); None
+    without one. One UserError sentence if it cannot be used for this model."""
+    if path is None:
+        return None
+    if path.is_file():
+        return load_draft(path, backbone.model, backbone.name)[0]
+    return load_published(path, backbone.model)
 
 
 def heads_for(backbone: Backbone, heads_dir: str | Path | None, num_heads: int = 4) -> tuple[MedusaHeads, bool]:

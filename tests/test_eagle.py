@@ -291,13 +291,13 @@ def test_shipped_drafter_drafts_for_the_embedded_model_exactly_and_is_accepted()
     from importlib import resources
     from pathlib import Path
 
-    from models.loader import eagle_for, load_backbone
+    from models.loader import eagle_for, load_backbone, resolve
 
     backbone = load_backbone(dtype="float32")
     file = Path(str(resources.files("assets") / "eagle" / "smollm2-135m-instruct.safetensors"))
     draft, card = load_draft(file, backbone.model, backbone.name)
     assert card.acceptance[0] > 0.3 and len(draft.vocab) == 8192
-    assert eagle_for(backbone) is not None  # found by the model's id
+    assert resolve(backbone.name).eagle == file and eagle_for(backbone, file) is not None  # the model's own
     prompt = backbone.encode_chat("Explain how a refrigerator keeps food cold.")
     reference = plain_tokens(backbone.model, prompt, 64)
     drafter = EagleDrafter(draft, torch.float32, lookup=False, budget=6)
@@ -314,3 +314,31 @@ def test_before_the_curve_is_measured_trees_are_priced_in_the_plain_steps_own_ti
         drafter.observe(plain, [1], 0.008)  # 8 ms plain steps
     assert drafter._prior().at(1) == pytest.approx(8.0, rel=1e-3)
     assert drafter._prior().at(16) > drafter._prior().at(1)
+
+
+def test_generate_fetches_a_published_eagle_checkpoint_from_the_hub_and_decodes_exactly(tmp_path):
+    """`--eagle org/name`: the checkpoint comes through the hub code (a local server speaking the
+    hub's file API), loads for the embedded model, and greedy decoding keeps the plain tokens."""
+    import os
+    import subprocess
+    import sys
+
+    from models.loader import load_backbone
+    from tests.fake_hub import FakeHub
+    from tests.test_cli import generate_json
+
+    backbone = load_backbone(dtype="float32")
+    _eagle1_checkpoint(tmp_path / "ckpt", backbone.model)
+    files = {name: (tmp_path / "ckpt" / name).read_bytes() for name in ("config.json", "pytorch_model.bin")}
+    common = ["--prompt", "Name three rivers.", "--dtype", "float32", "--max-new-tokens", "24"]
+    with FakeHub({"tiny-org/eagle-smol": files}) as fake:
+        env = {**os.environ, "HF_ENDPOINT": fake.url, "HF_HUB_CACHE": str(tmp_path / "cache")}
+        run = subprocess.run(
+            [sys.executable, "-m", "app.main", "generate", "--json", *common, "--drafter", "eagle",
+             "--eagle", "tiny-org/eagle-smol"],
+            capture_output=True, text=True, env=env, timeout=600,
+        )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    ours = json.loads(run.stdout)["samples"][0]["token_ids"]
+    assert ours == generate_json(*common, "--mode", "baseline")["samples"][0]["token_ids"]
+    assert (tmp_path / "cache" / "models--tiny-org--eagle-smol").is_dir()

@@ -70,12 +70,18 @@ def own_logits(heads: MedusaHeads, hidden: torch.Tensor) -> torch.Tensor:
     return full
 
 
+def exported(tmp_path, kind: str, fmt: str, weights: str) -> tuple:
+    """Heads of `kind` exported for `fmt` with "base-folder" as the backbone: (heads, lm_head, the
+    serve command, the config written, the tensors in `weights`)."""
+    heads, lm_head = make_heads(kind)
+    command = export_heads(heads, lm_head.weight, tmp_path, fmt, "base-folder")
+    config = json.loads((tmp_path / "config.json").read_text())
+    return heads, lm_head, command, config, load_file(tmp_path / weights)
+
+
 @pytest.mark.parametrize("kind", ["subset", "shared", "own"])
 def test_vllm_export_reads_back_as_the_heads(tmp_path, kind):
-    heads, lm_head = make_heads(kind)
-    command = export_heads(heads, lm_head.weight, tmp_path, "vllm", "base-folder")
-    config = json.loads((tmp_path / "config.json").read_text())
-    tensors = load_file(tmp_path / "model.safetensors")
+    heads, lm_head, command, config, tensors = exported(tmp_path, kind, "vllm", "model.safetensors")
     assert config["model_type"] == "medusa" and config["architectures"] == ["MedusaModel"]
     assert (config["num_heads"], config["num_hidden_layers"]) == (3, heads.num_layers)
     assert (config["hidden_size"], config["vocab_size"]) == (HIDDEN, VOCAB)
@@ -101,10 +107,7 @@ def test_vllm_export_reads_back_as_the_heads(tmp_path, kind):
 
 @pytest.mark.parametrize("kind", ["subset", "shared", "own"])
 def test_tgi_export_reads_back_as_the_heads(tmp_path, kind):
-    heads, lm_head = make_heads(kind)
-    command = export_heads(heads, lm_head.weight, tmp_path, "tgi", "base-folder")
-    config = json.loads((tmp_path / "config.json").read_text())
-    tensors = load_file(tmp_path / "medusa_lm_head.safetensors")
+    heads, lm_head, command, config, tensors = exported(tmp_path, kind, "tgi", "medusa_lm_head.safetensors")
     assert "architectures" not in config  # TGI would take the folder for another speculator
     assert (config["medusa_num_heads"], config["medusa_num_layers"]) == (3, heads.num_layers)
     assert config["base_model_name_or_path"] == "base-folder"

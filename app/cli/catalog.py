@@ -12,7 +12,7 @@ def run_models(args: argparse.Namespace) -> int:
 
     print(f"{'id':<26}{'download':>10}{'4-bit mem':>11}  {'state':<14}name")
     for e in entries():
-        state = "embedded" if e.embedded else cached_state([s for s in (e.backbone, e.heads, e.tokenizer) if s])
+        state = "embedded" if e.embedded else cached_state(e.sources)
         size = "—" if e.embedded else f"{e.download_gb:.1f} GB"
         print(f"{e.id:<26}{size:>10}{e.memory_gb_4bit:>8.1f} GB  {state:<14}{e.name}")
     print(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from core.errors import UserError
 from core.settings import ACCEPTANCE_RULES, DecodeSettings
-from core.tree import AUTO, DRAFTERS, EAGLE_DRAFTERS, HEAD_DRAFTERS, RETRIEVAL_DRAFTERS
+from core.tree import AUTO, DRAFTERS, EAGLE_DRAFTERS, EAGLE_OPTIONAL, HEAD_DRAFTERS, RETRIEVAL_DRAFTERS
 
 
 def model_options(p: argparse.ArgumentParser, heads: bool = True) -> None:
@@ -21,7 +21,11 @@ def model_options(p: argparse.ArgumentParser, heads: bool = True) -> None:
     p.add_argument("--model", default=EMBEDDED_ID, help="catalog id, hub repo id or model folder")
     if heads:
         p.add_argument("--heads", help="Medusa heads: a folder or a hub repo id (default: the model's own)")
-        p.add_argument("--eagle", help="EAGLE drafter file for --drafter eagle (default: the one the model ships with)")
+        p.add_argument(
+            "--eagle",
+            help="EAGLE drafter: a file from train-drafter, or an EAGLE-1/2 checkpoint's folder or hub repo id "
+            "(default: the model's own)",
+        )
     p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES), help="auto: measured on this machine")
     p.add_argument("--device", default="auto", type=device_name, help="auto, cpu, cuda or cuda:N")
     p.add_argument(
@@ -98,7 +102,16 @@ def setup(args: argparse.Namespace, kinds: tuple[str, ...] | None, fixed: tuple[
     from core.drafters import make_drafter
     from core.tree import load_preset, preset_names
     from core.tune.auto import auto_drafter
-    from models.loader import corpus_for, eagle_for, heads_for, load_backbone, resolve, resolve_heads, step_costs
+    from models.loader import (
+        corpus_for,
+        eagle_for,
+        heads_for,
+        load_backbone,
+        resolve,
+        resolve_eagle,
+        resolve_heads,
+        step_costs,
+    )
 
     decode = settings(args)
     auto = args.tree in (None, AUTO)
@@ -110,6 +123,10 @@ def setup(args: argparse.Namespace, kinds: tuple[str, ...] | None, fixed: tuple[
     kinds_all = (*kinds, *(f.partition("@")[0] for f in fixed))
     need_heads = any(k in HEAD_DRAFTERS for k in kinds_all)
     heads_dir = (resolve_heads(args.heads) if args.heads else spec.heads_folder) if need_heads else None
+    need_eagle = any(k in EAGLE_DRAFTERS for k in kinds_all)
+    want_eagle = need_eagle or (auto and any(k in EAGLE_OPTIONAL for k in kinds))
+    given = getattr(args, "eagle", None)
+    eagle_path = (resolve_eagle(given) if given else spec.eagle) if want_eagle else None
     backbone = load_backbone(args.model, args.dtype, args.device, args.quantization, spec=spec)
     heads, trained = None, False
     if need_heads:
@@ -122,7 +139,13 @@ def setup(args: argparse.Namespace, kinds: tuple[str, ...] | None, fixed: tuple[
             )
     device = backbone.model.device
     corpus = corpus_for(backbone) if any(k in RETRIEVAL_DRAFTERS for k in kinds_all) else None
-    eagle = eagle_for(backbone, getattr(args, "eagle", None)) if any(k in EAGLE_DRAFTERS for k in kinds_all) else None
+    try:
+        eagle = eagle_for(backbone, eagle_path)
+    except UserError as e:
+        if need_eagle:
+            raise
+        print(f"{e} Drafting goes on without it.", file=sys.stderr)  # hybrid runs the heads' tree alone
+        eagle = None
 
     def fixed_drafter(kind: str, p):
         tree = p.tree.to(device)

@@ -15,6 +15,7 @@ from core.step import Draft
 from core.tree import (
     CONTEXT,
     EAGLE_DRAFTERS,
+    EAGLE_OPTIONAL,
     HEAD_DRAFTERS,
     LOOKUP_DRAFTERS,
     RETRIEVAL,
@@ -155,7 +156,7 @@ def auto_drafter(
 
     if kind in EAGLE_DRAFTERS:
         return eagle_drafter(eagle, curve, corpus if kind in RETRIEVAL_DRAFTERS else None)
-    if kind == "hybrid" and eagle is not None:
+    if kind in EAGLE_OPTIONAL and eagle is not None:
         from core.tune.switch import Fastest
 
         heads_tree = auto_drafter(kind, heads, curve, preset, trained, corpus)

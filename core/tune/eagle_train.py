@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import Tensor, nn
 from transformers import DynamicCache, PreTrainedModel
 
 from core.eagle import EagleDraft
+from core.files import save_tensors
 
 CHUNK = 128  # transcripts per feature file
 TOKENS_PER_BATCH = 4096  # padded tokens a training batch holds
@@ -67,8 +67,7 @@ def features(
             loaded = _chunk_features(model, chunk, batch_size)
             tensors = {f"{i}.features": s.features.contiguous() for i, s in enumerate(loaded)}
             tensors |= {f"{i}.ids": s.ids for i, s in enumerate(loaded)}
-            save_file(tensors, str(file.with_suffix(".tmp")), metadata={"records": str(len(chunk))})
-            file.with_suffix(".tmp").replace(file)
+            save_tensors(file, tensors, {"records": str(len(chunk))})
         out += [Sequence(s.ids, s.features, len(r["prompt_ids"])) for s, r in zip(loaded, chunk, strict=True)]
         progress(len(out), len(records))
     return out
@@ -162,23 +161,16 @@ def passes_forward(draft: EagleDraft, batch: Batch, passes: int) -> list[Tensor]
     return outs
 
 
-def loss_of(
-    draft: EagleDraft, outs: list[Tensor], batch: Batch, token_weight: float, decay: float
-) -> tuple[Tensor, list[tuple[int, int]]]:
-    """Σ_k decay^k (SmoothL1 + token_weight · CE), on the rows whose token is learned; and per
-    pass (top-1 hits, rows)."""
+def loss_of(draft: EagleDraft, outs: list[Tensor], batch: Batch, token_weight: float, decay: float) -> Tensor:
+    """Σ_k decay^k (SmoothL1 + token_weight · CE), on the rows whose token is learned."""
     rows = batch.token_targets != -100
     target = batch.token_targets[rows]
     total = outs[0].new_zeros((), dtype=torch.float32)
-    hits = []
     for k, out in enumerate(outs):
-        pred = out[rows].float()
-        regression = nn.functional.smooth_l1_loss(pred, batch.feature_targets[rows].float())
-        logits = draft.logits(out[rows]).float()
-        ce = nn.functional.cross_entropy(logits, target)
+        regression = nn.functional.smooth_l1_loss(out[rows].float(), batch.feature_targets[rows].float())
+        ce = nn.functional.cross_entropy(draft.logits(out[rows]).float(), target)
         total = total + decay**k * (regression + token_weight * ce)
-        hits.append((int((logits.argmax(-1) == target).sum()), int(target.numel())))
-    return total, hits
+    return total
 
 
 def batches(seqs: list[Sequence], tokens_per_batch: int, order: list[int]) -> Iterator[list[Sequence]]:
@@ -215,7 +207,7 @@ def train_epoch(
         batch = make_batch(group, to_draft)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             outs = passes_forward(draft, batch, passes)
-            loss, _ = loss_of(draft, outs, batch, token_weight, decay)
+            loss = loss_of(draft, outs, batch, token_weight, decay)
         optimizer.zero_grad()
         loss.backward()
         nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -238,7 +230,7 @@ def evaluate(
         for group in batches(seqs, tokens_per_batch, list(range(len(seqs)))):
             batch = make_batch(group, to_draft)
             outs = passes_forward(draft, batch, passes)
-            loss += float(loss_of(draft, outs, batch, 1.0, 1.0)[0]) * len(group)
+            loss += float(loss_of(draft, outs, batch, 1.0, 1.0)) * len(group)
             per_pass = [draft.logits(o).argmax(-1) == batch.token_targets for o in outs]  # (B, L)
             for b, n in enumerate(batch.lengths):
                 right.append(torch.stack([p[b, :n] for p in per_pass]))  # (passes, n)
@@ -330,7 +322,7 @@ def fit(
         done = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines() if line.strip()]
         done = [d for d in done if (work / f"epoch-{d['epoch']}.safetensors").exists()][:epochs]
     if done:  # resume: the last finished epoch's weights, the schedule advanced past it
-        draft.load_state_dict(load_file(str(work / f"epoch-{done[-1]['epoch']}.safetensors")), strict=False)
+        draft.load_state_dict(load_file(str(work / f"epoch-{done[-1]['epoch']}.safetensors")))
         for _ in range(sum(per_epoch[: len(done)])):
             schedule.step()
         progress(sum(per_epoch[: len(done)]), math.nan)
@@ -341,12 +333,11 @@ def fit(
                                 token_weight, decay):  # fmt: skip
             progress(1, loss)
         result = evaluate(draft, held, to_draft, passes + 1)
-        state = {k: v.detach().contiguous() for k, v in draft.state_dict().items() if not k.startswith("rotary.")}
-        save_file(state, str(work / f"epoch-{epoch}.safetensors"))
+        save_tensors(work / f"epoch-{epoch}.safetensors", {k: v.detach() for k, v in draft.state_dict().items()})
         with log.open("a", encoding="utf-8") as f:
             f.write(json.dumps({"epoch": epoch, "result": result}) + "\n")
         done.append({"epoch": epoch, "result": result})
         on_epoch(epoch, result)
     best = max(done, key=lambda d: d["result"]["chain_tokens_per_step"])
-    draft.load_state_dict(load_file(str(work / f"epoch-{best['epoch']}.safetensors")), strict=False)
+    draft.load_state_dict(load_file(str(work / f"epoch-{best['epoch']}.safetensors")))
     return best["result"], best["epoch"]

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from core.errors import UserError
+from core.files import save_tensors
 
 # -- 1) self-distillation ---------------------------------------------------------------------
 
@@ -112,10 +112,7 @@ class Features:
         tensors = {"hidden": self.hidden.to(torch.bfloat16).contiguous(), "targets": self.targets.contiguous()}
         if self.source is not None:
             tensors["source"] = self.source.contiguous()
-        file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = file.with_suffix(".tmp")
-        save_file(tensors, tmp, metadata={"records": str(records)})
-        tmp.replace(file)
+        save_tensors(file, tensors, {"records": str(records)})
 
     @staticmethod
     def load(file: Path, records: int, num_heads: int) -> Features | None:
