@@ -43,7 +43,7 @@ SOURCE_LABEL = {
     "context": "copied from the conversation",
     "both": "from both",
     "retrieval": "copied from the model's past replies",
-    "eagle": "drafted by the EAGLE layer",
+    "eagle": "from the EAGLE layer",
 }
 LINK_REL = "noopener noreferrer nofollow"
 
