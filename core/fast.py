@@ -22,8 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from core import q4
+
 SUPPORTED = ("llama", "mistral", "qwen2")  # model_type values whose decoder layers FastForward reproduces
-KERNELS = ("dense", "onednn", "int4")  # how a PackedLinear multiplies; see PackedLinear
+KERNELS = ("dense", "onednn", "int4", "q4")  # how a PackedLinear multiplies; see PackedLinear
 _ATTR = "medusa_fast_forward"  # where a model carries its FastForward (see forward_of)
 INT4_GROUP = 32  # int4 weights: one scale and zero per 32 inputs (the GGUF Q4_1 block)
 
@@ -35,6 +37,9 @@ class PackedLinear(nn.Module):
     - "onednn": oneDNN's pre-packed layout (`mkldnn._reorder_linear_weight`), fp32 or bf16.
     - "int4": weight-only int4, asymmetric per group of `INT4_GROUP` inputs, bf16 activations
       (torch's packed int4 CPU matmul).
+    - "q4": the same 4-bit weights with int8 activations, through `core.q4`'s kernel, whose cost
+      barely grows with the rows up to 8 (torch's int4 kernel costs per block of 4 rows). A
+      shape the kernel does not take (outputs not a multiple of 16) gets "dense".
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None, kernel: str) -> None:
@@ -45,7 +50,14 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach()
         w = weight.detach()
-        if kernel == "onednn":
+        if kernel == "q4" and not q4.fits(*w.shape):
+            self.kernel = kernel = "dense"
+        if kernel == "q4":
+            lib = q4.library()
+            if lib is None:
+                raise RuntimeError(f"the 4-bit kernel is unavailable: {q4.unavailable()}")
+            self.packed = q4.Packed(lib, w, bias)
+        elif kernel == "onednn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 16)
         elif kernel == "int4":
             self.packed, self.scales_zeros = _int4_pack(w)
@@ -60,6 +72,8 @@ class PackedLinear(nn.Module):
         elif self.kernel == "int4":
             y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, INT4_GROUP, self.scales_zeros)
             y = y if self.bias is None else y + self.bias
+        elif self.kernel == "q4":
+            y = self.packed(x2 if x2.dtype == torch.bfloat16 else x2.to(torch.bfloat16)).to(x.dtype)
         else:
             y = F.linear(x2, self.packed, self.bias)
         return y.view(*shape[:-1], self.out_features)
@@ -88,8 +102,8 @@ def kernel_works(kernel: str, dtype: torch.dtype) -> bool:
     each row the same result at any row count. A kernel whose rounding depends on the row count
     (MKL's fp32 gemv against its gemm, on some CPUs) would make tree decoding drift from plain
     decoding, so it is not used: this is measured here, not assumed."""
-    if kernel == "int4" and dtype != torch.bfloat16:
-        return False  # the int4 kernel is fast only with bf16 activations
+    if kernel in ("int4", "q4") and dtype != torch.bfloat16:
+        return False  # the 4-bit kernels are fast only with bf16 activations
     gen = torch.Generator().manual_seed(0)
     try:
         layer = PackedLinear((torch.randn(256, 576, generator=gen) * 0.05).to(dtype), None, kernel)
@@ -183,7 +197,9 @@ def _cost_grows_by_row(head: PackedLinear, rows: int = 8) -> bool:
     re-reads the weights per row, such as bf16 emulated without native bf16 arithmetic)."""
     from core.tune.profile import time_ms  # core.tune builds on this module
 
-    x = torch.zeros(rows, head.in_features, dtype=head.packed.dtype if head.kernel != "int4" else torch.bfloat16)
+    x = torch.zeros(
+        rows, head.in_features, dtype=torch.bfloat16 if head.kernel in ("int4", "q4") else head.packed.dtype
+    )
     with torch.inference_mode():
         one, many = (time_ms(lambda n=n: head(x[:n]), repeats=3, fastest=True) for n in (1, rows))
     return many > 2 * one

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from core import fast
+from core import fast, q4
 from core.eagle import EagleDraft, load_draft
 from core.errors import UserError
 from core.retrieval import Corpus, load_corpus
@@ -197,6 +197,8 @@ def load_backbone(
     if dtype != "auto":
         pick_dtype(dtype, dev)  # an unknown name is refused before anything loads
     choice = None
+    if dev.type == "cpu" and quant == "int4":
+        q4.prepare()  # its kernel compiles (first launch) or loads while the weights load
     if dev.type == "cpu" and quant in ("none", "int4") and fast.servable(config):
         choice = cpu_choice(config.get_text_config(), None if dtype == "auto" else dtype, quant == "int4")
         if quant == "int4" and dtype not in ("auto", choice.dtype):

@@ -24,13 +24,14 @@ ARCHS = (*BASE_ARCHS, *(f"{a}+{k}" for a in BASE_ARCHS for k in FAST_KERNELS))
 
 def tiny_model(arch: str = "llama", vocab: int = 96, seed: int = 0):
     """A random model of `arch`; "llama+onednn" and the like: accelerated by core.fast with that
-    kernel ("+int4" runs in bf16)."""
+    kernel ("+int4" and "+q4" run in bf16)."""
     arch, _, kernel = arch.partition("+")
     model = _tiny(arch, vocab, seed)
     if kernel:
-        if kernel == "int4":
+        four_bit = kernel in ("int4", "q4")
+        if four_bit:
             model = model.to(torch.bfloat16)
-        fast.accelerate(model, kernel, "dense" if kernel == "int4" else kernel)
+        fast.accelerate(model, kernel, "dense" if four_bit else kernel)
     return model
 
 

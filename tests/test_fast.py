@@ -55,7 +55,8 @@ def test_a_prefill_on_top_of_a_cache_is_causal():
 
 
 @pytest.mark.parametrize(
-    ("kernel", "dtype"), [("onednn", torch.float32), ("onednn", torch.bfloat16), ("int4", torch.bfloat16)]
+    ("kernel", "dtype"),
+    [("onednn", torch.float32), ("onednn", torch.bfloat16), ("int4", torch.bfloat16), ("q4", torch.bfloat16)],
 )
 def test_packed_kernels_give_each_row_the_same_result_at_any_row_count(kernel, dtype):
     """What makes a tree forward round exactly like a one-token forward."""
@@ -70,18 +71,20 @@ def test_packed_kernels_give_each_row_the_same_result_at_any_row_count(kernel, d
     assert torch.equal(layer(x[5:6]), whole[5:6])
 
 
-def test_int4_reproduces_weights_that_were_4_bit_blocks():
+@pytest.mark.parametrize("kernel", ["int4", "q4"])
+def test_4_bit_kernels_reproduce_weights_that_were_4_bit_blocks(kernel):
     """Weights made of Q4_1-style blocks (min + step × q, q in 0..15 per 32 inputs) come back
-    up to the bf16 rounding of each block's step and zero."""
-    if not fast.kernel_works("int4", torch.bfloat16):
-        pytest.skip("no int4 kernel here")
+    up to the rounding of each block's step and zero (and, for q4, of the int8 inputs: an
+    identity row quantizes exactly)."""
+    if not fast.kernel_works(kernel, torch.bfloat16):
+        pytest.skip(f"no {kernel} kernel here")
     gen = torch.Generator().manual_seed(1)
     q = torch.randint(0, 16, (64, 128), generator=gen).float()
     q[:, ::32], q[:, 1::32] = 0, 15  # every block spans the whole range, as a quantizer leaves it
     step = torch.rand(64, 4, 1, generator=gen) * 0.01 + 0.001
     low = torch.randn(64, 4, 1, generator=gen) * 0.02
     w = (low + step * q.view(64, 4, 32)).view(64, 128)
-    layer = fast.PackedLinear(w.to(torch.bfloat16), None, "int4")
+    layer = fast.PackedLinear(w.to(torch.bfloat16), None, kernel)
     eye = torch.eye(128, dtype=torch.bfloat16)
     back = layer(eye).float().t()  # column j of W·I is input j's weights
     assert (back - w).abs().max() < 0.02 * w.abs().max()
@@ -89,11 +92,13 @@ def test_int4_reproduces_weights_that_were_4_bit_blocks():
     assert torch.corrcoef(torch.stack([back.flatten(), dense.flatten()]))[0, 1] > 0.999
 
 
-def test_greedy_tree_decoding_equals_plain_greedy_in_int4():
-    """Exactness in the same precision: int4 weights with bf16 activations, tree vs plain."""
-    if not fast.kernel_works("int4", torch.bfloat16):
-        pytest.skip("no int4 kernel here")
-    model = tiny_model("llama+int4")
+@pytest.mark.parametrize("kernel", ["int4", "q4"])
+def test_greedy_tree_decoding_equals_plain_greedy_in_4_bits(kernel):
+    """Exactness in the same precision: 4-bit weights with bf16 (int4) or int8 (q4) activations,
+    tree vs plain."""
+    if not fast.kernel_works(kernel, torch.bfloat16):
+        pytest.skip(f"no {kernel} kernel here")
+    model = tiny_model(f"llama+{kernel}")
     reference = plain_tokens(model, PROMPT, 40)
     drafter = OracleDrafter(PROMPT + reference, load_tree("mc_sim_7b_63")[1], model.config.vocab_size, seed=1)
     events, done = collect(stream(model, PROMPT, DecodeSettings(max_new_tokens=32), drafter))

@@ -40,15 +40,16 @@ def native_bf16() -> bool:
 
 def candidates(dtype: str | None, int4: bool) -> list[Choice]:
     """What may be timed for a request: a dtype (None: any) and whether int4 weights were asked for."""
-    if int4:  # the int4 kernel runs with bf16 activations; the lm_head stays unquantized
-        return [Choice("bfloat16", "int4", head) for head in ("onednn", "dense")]
+    if int4:  # the 4-bit kernels run with bf16 activations; the lm_head stays unquantized
+        return [Choice("bfloat16", kernel, head) for kernel in ("int4", "q4") for head in ("onednn", "dense")]
     dtypes = [dtype] if dtype else ["float32", *(["bfloat16"] if native_bf16() else [])]
     return [Choice(d, k, k) for d in dtypes for k in ("onednn", "dense")]
 
 
 def choose(hidden: int, inner: int, dtype: str | None, int4: bool, record: Path) -> Choice:
     """The fastest working candidate; measured once per machine, shape and request."""
-    key = f"{machine(torch.device('cpu')).key}|{hidden}x{inner}|{dtype or 'auto'}|{'int4' if int4 else 'full'}"
+    request = f"{dtype or 'auto'}|{'int4' if int4 else 'full'}|{','.join(fast.KERNELS)}"  # new kernels: measured again
+    key = f"{machine(torch.device('cpu')).key}|{hidden}x{inner}|{request}"
     known = _read(record)
     with contextlib.suppress(TypeError, KeyError):
         choice = Choice(**known[key])

@@ -1,0 +1,360 @@
+/* A 4-bit weight × 8-bit activation matrix product for a few rows (a decoding step's tree).
+ *
+ * y (M×N, bf16) = x (M×K, bf16) · Wᵀ + bias, with W stored as GGUF Q4_1 stores it: per group of
+ * 32 inputs, w = d·q + m with q in [0, 15]. Each row of x is quantized per group of 32 to int8
+ * (a = e·p, p in [-127, 127]), as llama.cpp's Q8_1, so a group's dot product is
+ *     Σ w·a = d·e·Σ q·p + m·Σ a,
+ * with Σ q·p exact in int32 (AVX-512 VNNI `vpdpbusd`, or AVX2 `vpmaddubsw` + `vpmaddwd`).
+ *
+ * Why: torch's int4 CPU matmul unpacks the weights again for every block of 4 rows, so a tree of
+ * 8 or 16 nodes costs 2–4× one row. Here a group of weights is unpacked once into registers and
+ * used for every row (up to CHUNK at a time), so verifying a tree costs about what reading the weights costs.
+ *
+ * Every row is computed alone, in the same order whatever M is: a tree's rows equal one-row
+ * products bit for bit.
+ *
+ * Weight layout (`q4_pack`): tiles of 16 outputs; per tile, per group, 256 bytes: byte
+ * 64h + 4j + i holds q[k = 8h + i][j] in its low nibble and q[k = 8h + 4 + i][j] in its high
+ * nibble (h < 4, output j < 16, i < 4). Scales d and offsets m are float, per tile, group and
+ * output, as float16: d[(t·G + g)·16 + j].
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define GROUP 32
+#define TILE 16
+#define TILE_BYTES 256 /* 16 outputs × 32 inputs × 4 bits */
+#define CHUNK 64       /* rows per pass over a tile's weights */
+
+int q4_version(void) { return 1; }
+
+/* q (N×K, values 0..15, one per byte) → the packed layout above, N % 16 == 0, K % 32 == 0. */
+void q4_pack(const uint8_t *q, int64_t n, int64_t k, uint8_t *out) {
+  int64_t groups = k / GROUP;
+  for (int64_t t = 0; t < n / TILE; t++)
+    for (int64_t g = 0; g < groups; g++) {
+      uint8_t *o = out + (t * groups + g) * TILE_BYTES;
+      for (int h = 0; h < 4; h++)
+        for (int j = 0; j < TILE; j++)
+          for (int i = 0; i < 4; i++) {
+            const uint8_t *row = q + (t * TILE + j) * k + g * GROUP;
+            o[64 * h + 4 * j + i] = (uint8_t)((row[8 * h + i] & 15) | ((row[8 * h + 4 + i] & 15) << 4));
+          }
+    }
+}
+
+static inline float bf16_to_float(uint16_t b) {
+  uint32_t bits = (uint32_t)b << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even */
+  uint32_t bits;
+  memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffff) > 0x7f800000) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return (uint16_t)(bits >> 16);
+}
+
+/* ---------------------------------------------------------------- AVX-512 VNNI */
+
+#define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
+
+T512 static void quantize_512(const uint16_t *x, int64_t k, int8_t *p, float *e, float *s) {
+  for (int64_t g = 0; g < k / GROUP; g++) {
+    const uint16_t *xg = x + g * GROUP;
+    __m512 a0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)xg)), 16));
+    __m512 a1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(xg + 16))), 16));
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
+    float scale = amax / 127.0f;
+    __m512 inv = _mm512_set1_ps(scale != 0.0f ? 127.0f / amax : 0.0f);
+    _mm_storeu_si128((void *)(p + g * GROUP), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a0, inv))));
+    _mm_storeu_si128((void *)(p + g * GROUP + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a1, inv))));
+    e[g] = scale;
+    s[g] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+  }
+}
+
+T512 static inline void store_bf16_512(uint16_t *y, __m512 v) {
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  _mm256_storeu_si256((void *)y, _mm512_cvtepi32_epi16(rounded));
+}
+
+/* Outputs [0, 16·TILES) of TILES adjacent tiles (1 or 2) for rows [0, rows): each group's weights
+ * are unpacked into registers once and used for every row; the rows' float sums wait in `acc`
+ * (rows × 32 floats, in L1). */
+#define PAIR512(TILES)                                                                                               \
+  T512 static void pair512_##TILES(const uint8_t *w, const uint16_t *d, const uint16_t *m, int64_t groups,        \
+                                   const int8_t *p, const float *e, const float *s, int64_t k, int64_t rows,      \
+                                   const float *bias, uint16_t *y, int64_t ldy, float *acc) {                     \
+    const __m512i low = _mm512_set1_epi8(15);                                                                       \
+    const int64_t stride = groups * TILE_BYTES; /* from one tile's weights to the next's */                         \
+    memset(acc, 0, sizeof(float) * 32 * (size_t)rows);                                                              \
+    for (int64_t g = 0; g < groups; g++) {                                                                           \
+      __m512i b[TILES][8];                                                                                           \
+      __m512 dg[TILES], mg[TILES];                                                                                   \
+      for (int t = 0; t < TILES; t++) {                                                                              \
+        const uint8_t *wg = w + t * stride + g * TILE_BYTES;                                                        \
+        for (int h = 0; h < 4; h++) {                                                                                \
+          __m512i v = _mm512_loadu_si512((const void *)(wg + 64 * h));                                               \
+          b[t][2 * h] = _mm512_and_si512(v, low);                                                                    \
+          b[t][2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);                                         \
+        }                                                                                                            \
+        dg[t] = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(d + t * groups * TILE + g * TILE)));               \
+        mg[t] = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(m + t * groups * TILE + g * TILE)));               \
+      }                                                                                                              \
+      for (int64_t r = 0; r < rows; r++) {                                                                           \
+        const int8_t *pr = p + r * k + g * GROUP;                                                                    \
+        __m512i dot[TILES];                                                                                          \
+        for (int t = 0; t < TILES; t++) dot[t] = _mm512_setzero_si512();                                           \
+        _Pragma("GCC unroll 8") for (int q = 0; q < 8; q++) {                                                       \
+          int32_t quad;                                                                                              \
+          memcpy(&quad, pr + 4 * q, 4);                                                                              \
+          __m512i a = _mm512_set1_epi32(quad);                                                                       \
+          for (int t = 0; t < TILES; t++) dot[t] = _mm512_dpbusd_epi32(dot[t], b[t][q], a);                          \
+        }                                                                                                            \
+        __m512 es = _mm512_set1_ps(e[r * groups + g]), ss = _mm512_set1_ps(s[r * groups + g]);                      \
+        for (int t = 0; t < TILES; t++) {                                                                            \
+          float *ar = acc + r * 32 + 16 * t;                                                                         \
+          __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), _mm512_mul_ps(dg[t], es), _mm512_loadu_ps(ar));  \
+          _mm512_storeu_ps(ar, _mm512_fmadd_ps(mg[t], ss, sum));                                                     \
+        }                                                                                                            \
+      }                                                                                                              \
+    }                                                                                                                \
+    for (int t = 0; t < TILES; t++) {                                                                                \
+      __m512 bv = bias ? _mm512_loadu_ps(bias + 16 * t) : _mm512_setzero_ps();                                       \
+      for (int64_t r = 0; r < rows; r++)                                                                             \
+        store_bf16_512(y + r * ldy + 16 * t, _mm512_add_ps(_mm512_loadu_ps(acc + r * 32 + 16 * t), bv));           \
+    }                                                                                                                \
+  }
+
+PAIR512(1)
+PAIR512(2)
+
+/* The same for a pair of tiles and R ≤ 4 rows, with the sums in registers. */
+#define REG512(R)                                                                                                    \
+  T512 static void reg512_##R(const uint8_t *w, const uint16_t *d, const uint16_t *m, int64_t groups,             \
+                              const int8_t *p, const float *e, const float *s, int64_t k, const float *bias,       \
+                              uint16_t *y, int64_t ldy) {                                                          \
+    const __m512i low = _mm512_set1_epi8(15);                                                                       \
+    const int64_t stride = groups * TILE_BYTES;                                                                      \
+    __m512 acc[R][2];                                                                                                \
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();                                       \
+    for (int64_t g = 0; g < groups; g++) {                                                                           \
+      __m512i dot[R][2];                                                                                             \
+      for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();                                  \
+      _Pragma("GCC unroll 4") for (int h = 0; h < 4; h++) {                                                         \
+        __m512i v0 = _mm512_loadu_si512((const void *)(w + g * TILE_BYTES + 64 * h));                                \
+        __m512i v1 = _mm512_loadu_si512((const void *)(w + stride + g * TILE_BYTES + 64 * h));                       \
+        __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);            \
+        __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);            \
+        for (int r = 0; r < R; r++) {                                                                                \
+          int32_t q0, q1;                                                                                            \
+          memcpy(&q0, p + r * k + g * GROUP + 8 * h, 4);                                                             \
+          memcpy(&q1, p + r * k + g * GROUP + 8 * h + 4, 4);                                                         \
+          __m512i a0 = _mm512_set1_epi32(q0), a1 = _mm512_set1_epi32(q1);                                            \
+          dot[r][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][0], lo0, a0), hi0, a1);                         \
+          dot[r][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][1], lo1, a0), hi1, a1);                         \
+        }                                                                                                            \
+      }                                                                                                              \
+      for (int t = 0; t < 2; t++) {                                                                                  \
+        __m512 dg = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(d + t * groups * TILE + g * TILE)));           \
+        __m512 mg = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(m + t * groups * TILE + g * TILE)));           \
+        for (int r = 0; r < R; r++) {                                                                                \
+          __m512 es = _mm512_set1_ps(e[r * groups + g]), ss = _mm512_set1_ps(s[r * groups + g]);                    \
+          acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][t]), _mm512_mul_ps(dg, es), acc[r][t]);              \
+          acc[r][t] = _mm512_fmadd_ps(mg, ss, acc[r][t]);                                                            \
+        }                                                                                                            \
+      }                                                                                                              \
+    }                                                                                                                \
+    for (int t = 0; t < 2; t++) {                                                                                    \
+      __m512 bv = bias ? _mm512_loadu_ps(bias + 16 * t) : _mm512_setzero_ps();                                       \
+      for (int r = 0; r < R; r++) store_bf16_512(y + r * ldy + 16 * t, _mm512_add_ps(acc[r][t], bv));              \
+    }                                                                                                                \
+  }
+
+REG512(1)
+REG512(2)
+REG512(3)
+REG512(4)
+
+typedef void (*reg_fn)(const uint8_t *, const uint16_t *, const uint16_t *, int64_t, const int8_t *, const float *,
+                       const float *, int64_t, const float *, uint16_t *, int64_t);
+static const reg_fn regs512[5] = {0, reg512_1, reg512_2, reg512_3, reg512_4};
+
+typedef void (*tile_fn)(const uint8_t *, const uint16_t *, const uint16_t *, int64_t, const int8_t *, const float *,
+                        const float *, int64_t, const float *, uint16_t *, int64_t);
+
+/* ---------------------------------------------------------------- AVX2 */
+
+#define T256 __attribute__((target("avx2,fma,f16c")))
+
+T256 static inline float hmax256(__m256 v) {
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+T256 static inline float hsum256(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+T256 static inline __m256 load8_bf16(const uint16_t *x) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const void *)x)), 16));
+}
+
+T256 static void quantize_256(const uint16_t *x, int64_t k, int8_t *p, float *e, float *s) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t g = 0; g < k / GROUP; g++) {
+    const uint16_t *xg = x + g * GROUP;
+    __m256 a[4];
+    __m256 mx = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+      a[i] = load8_bf16(xg + 8 * i);
+      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, a[i]));
+    }
+    float amax = hmax256(mx);
+    float scale = amax / 127.0f;
+    __m256 inv = _mm256_set1_ps(scale != 0.0f ? 127.0f / amax : 0.0f);
+    __m256i q[4];
+    for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(a[i], inv));
+    __m256i q01 = _mm256_packs_epi32(q[0], q[1]), q23 = _mm256_packs_epi32(q[2], q[3]);
+    __m256i bytes = _mm256_packs_epi16(q01, q23); /* lanes interleaved: undo with a dword permute */
+    bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((void *)(p + g * GROUP), bytes);
+    e[g] = scale;
+    s[g] = hsum256(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+  }
+}
+
+T256 static inline void store_bf16_256(uint16_t *y, __m256 v) {
+  __m256i bits = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128((void *)y, packed);
+}
+
+/* Rows [0, R) of one half tile (8 outputs: half 0 or 1 of the tile). */
+#define TILE256(R)                                                                                                   \
+  T256 static void tile256_##R(const uint8_t *w, const uint16_t *d, const uint16_t *m, int64_t groups, const int8_t *p,   \
+                               const float *e, const float *s, int64_t k, const float *bias, uint16_t *y,           \
+                               int64_t ldy) {                                                                       \
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);                                         \
+    for (int half = 0; half < 2; half++) {                                                                           \
+      __m256 acc[R];                                                                                                 \
+      for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                                    \
+      for (int64_t g = 0; g < groups; g++) {                                                                         \
+        const uint8_t *wg = w + g * TILE_BYTES + 32 * half;                                                          \
+        __m256i dot[R];                                                                                              \
+        for (int r = 0; r < R; r++) dot[r] = _mm256_setzero_si256();                                               \
+        for (int h = 0; h < 4; h++) {                                                                                \
+          __m256i v = _mm256_loadu_si256((const void *)(wg + 64 * h));                                               \
+          __m256i blo = _mm256_and_si256(v, low), bhi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);            \
+          for (int r = 0; r < R; r++) {                                                                              \
+            const int8_t *pr = p + r * k + g * GROUP + 8 * h;                                                        \
+            int32_t lo4, hi4;                                                                                        \
+            memcpy(&lo4, pr, 4);                                                                                     \
+            memcpy(&hi4, pr + 4, 4);                                                                                 \
+            __m256i x = _mm256_add_epi16(_mm256_maddubs_epi16(blo, _mm256_set1_epi32(lo4)),                          \
+                                         _mm256_maddubs_epi16(bhi, _mm256_set1_epi32(hi4)));                         \
+            dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(x, ones));                                           \
+          }                                                                                                          \
+        }                                                                                                            \
+        __m256 dg = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(d + g * TILE + 8 * half)));                     \
+        __m256 mg = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(m + g * TILE + 8 * half)));                     \
+        for (int r = 0; r < R; r++) {                                                                                \
+          int64_t eg = r * (k / GROUP) + g;                                                                          \
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(dg, _mm256_set1_ps(e[eg])), acc[r]);   \
+          acc[r] = _mm256_fmadd_ps(mg, _mm256_set1_ps(s[eg]), acc[r]);                                               \
+        }                                                                                                            \
+      }                                                                                                              \
+      __m256 bv = bias ? _mm256_loadu_ps(bias + 8 * half) : _mm256_setzero_ps();                                     \
+      for (int r = 0; r < R; r++) store_bf16_256(y + r * ldy + 8 * half, _mm256_add_ps(acc[r], bv));               \
+    }                                                                                                                \
+  }
+
+/* pairs of int8 products stay within int16: 15·127·2 < 32767 */
+TILE256(1)
+TILE256(2)
+TILE256(3)
+TILE256(4)
+
+static const tile_fn tiles256[5] = {0, tile256_1, tile256_2, tile256_3, tile256_4};
+
+/* ---------------------------------------------------------------- entry */
+
+/* One packed weight (core/q4.py's Layer). */
+typedef struct {
+  int64_t n, k;
+  const uint8_t *w;
+  const uint16_t *d, *m; /* float16 */
+  const float *bias;     /* or NULL */
+} q4_layer;
+
+/* y (rows×n, bf16) = x (rows×k, bf16, row stride ldx) · Wᵀ + bias. isa: 2 = AVX-512 VNNI,
+ * 1 = AVX2. Returns 0, or -1 when a scratch buffer could not be had. */
+int q4_run(const q4_layer *layer, int isa, int threads, int64_t rows, const uint16_t *x, int64_t ldx, uint16_t *y) {
+  int64_t n = layer->n, k = layer->k, groups = k / GROUP, tiles = n / TILE;
+  const uint8_t *w = layer->w;
+  const uint16_t *d = layer->d, *m = layer->m;
+  const float *bias = layer->bias;
+  int8_t *p = malloc((size_t)(rows * k));
+  float *e = malloc(sizeof(float) * (size_t)(rows * groups) * 2);
+  if (!p || !e) {
+    free(p);
+    free(e);
+    return -1;
+  }
+  float *s = e + rows * groups;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * k >= 4096)
+  for (int64_t r = 0; r < rows; r++) {
+    if (isa == 2)
+      quantize_512(x + r * ldx, k, p + r * k, e + r * groups, s + r * groups);
+    else
+      quantize_256(x + r * ldx, k, p + r * k, e + r * groups, s + r * groups);
+  }
+  if (isa == 2) {
+    /* tasks: pairs of tiles (the last may be a single tile) × chunks of CHUNK rows */
+    int64_t pairs = (tiles + 1) / 2, chunks = (rows + CHUNK - 1) / CHUNK;
+#pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
+    for (int64_t pair = 0; pair < pairs; pair++)
+      for (int64_t c = 0; c < chunks; c++) {
+        float acc[CHUNK * 32];
+        int64_t t = 2 * pair, r0 = c * CHUNK, count = rows - r0 < CHUNK ? rows - r0 : CHUNK;
+        if (t + 1 < tiles && count <= 4)
+          regs512[count](w + t * groups * TILE_BYTES, d + t * groups * TILE, m + t * groups * TILE, groups,
+                         p + r0 * k, e + r0 * groups, s + r0 * groups, k, bias ? bias + t * TILE : 0,
+                         y + r0 * n + t * TILE, n);
+        else
+          (t + 1 < tiles ? pair512_2 : pair512_1)(w + t * groups * TILE_BYTES, d + t * groups * TILE,
+                                                m + t * groups * TILE, groups, p + r0 * k, e + r0 * groups,
+                                                s + r0 * groups, k, count, bias ? bias + t * TILE : 0,
+                                                y + r0 * n + t * TILE, n, acc);
+      }
+  } else {
+    int64_t passes = (rows + 3) / 4;
+#pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
+    for (int64_t t = 0; t < tiles; t++)
+      for (int64_t pass = 0; pass < passes; pass++) {
+        int64_t r0 = pass * 4, count = rows - r0 < 4 ? rows - r0 : 4;
+        tiles256[count](w + t * groups * TILE_BYTES, d + t * groups * TILE, m + t * groups * TILE, groups,
+                        p + r0 * k, e + r0 * groups, s + r0 * groups, k, bias ? bias + t * TILE : 0,
+                        y + r0 * n + t * TILE, n);
+      }
+  }
+  free(p);
+  free(e);
+  return 0;
+}

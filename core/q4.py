@@ -1,0 +1,271 @@
+"""The 4-bit kernel of `native/q4gemm.c`: built here with the C compiler, cached, and loaded.
+
+torch's int4 CPU matmul unpacks the weights again for every block of 4 rows, so verifying a tree
+of 8 or 16 nodes costs 2–4× a one-token step. `q4gemm.c` unpacks a group of weights once and uses
+it for 8 rows (int8 activations, integer dot products: AVX-512 VNNI, or AVX2), so a tree's
+verify costs about what reading the weights costs.
+
+The library is compiled once per source and compiler (under a second) into the user's cache and
+loaded from there on later launches. A cached file that cannot be loaded, reports another
+version or fails the self-test (truncated, damaged, stale) is deleted and built again, with one
+sentence on stderr. Where no compiler or no AVX2 is found, `library()` is None, `unavailable()`
+says why, and the model keeps torch's int4 kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import platformdirs
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).parent / "native" / "q4gemm.c"
+VERSION = 1  # q4_version() of the source above
+GROUP, TILE = 32, 16  # inputs per scale (GGUF Q4_1's block), outputs per tile
+FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off")
+ISAS = {"avx512-vnni": 2, "avx2": 1}  # the kernel variants, as q4_gemm numbers them
+
+_lock = threading.Lock()
+_state: dict = {}  # "lib": the loaded CDLL or None, "why": the reason it is None
+
+
+def isa() -> str | None:
+    """The kernel variant this CPU runs, within the kernel ISA torch was allowed
+    (`ATEN_CPU_CAPABILITY=avx2` makes an AVX-512 CPU use the AVX2 variant, as an AVX2-only CPU
+    would); None below AVX2."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability.startswith("AVX512") and torch.cpu._is_vnni_supported():
+        return "avx512-vnni"
+    if capability.startswith(("AVX2", "AVX512")) and torch.cpu._is_avx2_supported():
+        return "avx2"
+    return None
+
+
+def artifact_dir() -> Path:
+    return Path(platformdirs.user_cache_dir("medusa-chat")) / "kernels"
+
+
+def _compiler() -> str:
+    """The C compiler: $CC, else cc, gcc or clang (raises OSError when there is none)."""
+    named = os.environ.get("CC")
+    found = shutil.which(named) if named else shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if found is None:
+        raise OSError(
+            f"the C compiler {named} was not found" if named else "no C compiler (cc, gcc or clang) was found"
+        )
+    return found
+
+
+def _artifact(compiler: str) -> Path:
+    """Where the library built from this source with this compiler lives."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    return artifact_dir() / f"q4gemm-{key}.so"
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _check(path: Path) -> None:
+    """Raise OSError unless `path` is the file its build recorded: a truncated or damaged library
+    is never handed to the dynamic loader (which can crash the process on one)."""
+    stamp = path.with_suffix(".sha256")
+    try:
+        version, recorded = stamp.read_text().split()
+    except (OSError, ValueError):
+        raise OSError("its checksum is missing") from None
+    if version != str(VERSION):
+        raise OSError(f"it is version {version}, not {VERSION}")
+    if _digest(path) != recorded:
+        raise OSError("it does not match its checksum (truncated or damaged)")
+
+
+def _build(compiler: str, target: Path) -> None:
+    """Compile into a temporary file and move it into place with its checksum (two processes
+    may build at once)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", temp], capture_output=True, text=True, timeout=300)
+        if done.returncode:
+            last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+            raise OSError(f"the compiler failed: {last}")
+        stamp = target.with_suffix(".sha256")
+        stamp.write_text(f"{VERSION} {_digest(Path(temp))}")
+        os.replace(temp, target)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+
+
+class Layer(ctypes.Structure):
+    """What q4_run needs of one packed weight (the C struct q4_layer)."""
+
+    _fields_ = [
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("w", ctypes.c_void_p),
+        ("d", ctypes.c_void_p),
+        ("m", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+    ]
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.q4_version.restype = ctypes.c_int
+    if lib.q4_version() != VERSION:
+        raise OSError(f"it is version {lib.q4_version()}, not {VERSION}")
+    lib.q4_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.q4_pack.restype = None
+    lib.q4_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p]
+    lib.q4_run.argtypes += [ctypes.c_int64, ctypes.c_void_p]
+    lib.q4_run.restype = ctypes.c_int
+    return lib
+
+
+def _load() -> ctypes.CDLL:
+    compiler = _compiler()
+    path = _artifact(compiler)
+    opened = False  # whether this process has a library of this name loaded (its name then finds that one)
+    if path.exists():
+        try:
+            _check(path)
+            opened = True
+            lib = _open(path)
+            _self_test(lib)
+            return lib
+        except (OSError, AssertionError) as error:
+            print(
+                f"note: the cached 4-bit kernel {path.name} was unusable ({error}); building it again.", file=sys.stderr
+            )
+            path.unlink(missing_ok=True)
+    _build(compiler, path)
+    if not opened:
+        lib = _open(path)
+    else:  # load the new build under a name of its own
+        alias = path.with_name(f"{path.stem}-{os.getpid()}.so")
+        os.link(path, alias)
+        try:
+            lib = _open(alias)
+        finally:
+            alias.unlink()
+    _self_test(lib)
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library (built on first use), or None where it cannot run here."""
+    with _lock:
+        if "lib" not in _state:
+            if isa() is None:
+                _state.update(lib=None, why="this CPU has no AVX2")
+            else:
+                try:
+                    _state.update(lib=_load(), why="")
+                except (OSError, AssertionError, subprocess.SubprocessError) as error:
+                    _state.update(lib=None, why=str(error))
+                    print(
+                        f"note: the 4-bit kernel is not used: {error}; torch's int4 kernel runs instead.",
+                        file=sys.stderr,
+                    )
+        return _state["lib"]
+
+
+def prepare() -> threading.Thread:
+    """Build or load the library in the background (while a model loads)."""
+    thread = threading.Thread(target=library, name="q4-build", daemon=True)
+    thread.start()
+    return thread
+
+
+def unavailable() -> str:
+    """Why `library()` is None ("" when it is not)."""
+    library()
+    return _state["why"]
+
+
+def fits(out_features: int, in_features: int) -> bool:
+    return out_features % TILE == 0 and in_features % GROUP == 0
+
+
+def quantize(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(N, K) weight → q (N, K) uint8 in [0, 15], step and minimum (N, K/32): w ≈ step·q + minimum
+    per group of 32 inputs. Weights that were GGUF Q4_1 blocks come back as they were."""
+    n, k = w.shape
+    groups = w.float().view(n, k // GROUP, GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    step = ((high - low) / 15).clamp(min=1e-12)
+    q = torch.round((groups - low[..., None]) / step[..., None]).clamp(0, 15).to(torch.uint8).view(n, k)
+    return q.contiguous(), step, low
+
+
+class Packed:
+    """One weight in the kernel's layout, with the C descriptor that points at it."""
+
+    def __init__(self, lib: ctypes.CDLL, weight: Tensor, bias: Tensor | None) -> None:
+        n, k = weight.shape
+        q, step, low = quantize(weight)
+        tiles, groups = n // TILE, k // GROUP
+        self.lib = lib
+        self.w = torch.empty(n * k // 2, dtype=torch.uint8)
+        lib.q4_pack(q.data_ptr(), n, k, self.w.data_ptr())
+        # scales and minimums per tile, group and output: [t, g, j] = [t·16 + j, g]
+        self.d = step.view(tiles, TILE, groups).transpose(1, 2).contiguous().to(torch.float16)
+        self.m = low.view(tiles, TILE, groups).transpose(1, 2).contiguous().to(torch.float16)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.layer = Layer(n, k, self.w.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), self.bias_ptr())
+        self.address = ctypes.addressof(self.layer)
+        self.variant = ISAS[isa()]
+        self.n = n
+
+    def bias_ptr(self) -> int | None:
+        return None if self.bias is None else self.bias.data_ptr()
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """(rows, K) bf16, rows contiguous → (rows, N) bf16."""
+        rows = x.shape[0]
+        y = torch.empty(rows, self.n, dtype=torch.bfloat16)
+        code = self.lib.q4_run(
+            self.address, self.variant, torch.get_num_threads(), rows, x.data_ptr(), x.stride(0), y.data_ptr()
+        )
+        if code:
+            raise MemoryError("the 4-bit kernel could not allocate its scratch memory")
+        return y
+
+
+def _self_test(lib: ctypes.CDLL) -> None:
+    """A small product against the same arithmetic in torch (raises AssertionError)."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(32, 64, generator=gen) * 0.1
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(32, generator=gen)
+    got = Packed(lib, weight, bias)(x).float()
+    want = reference(x, weight, bias)
+    error = float((got - want).abs().max() / want.abs().max())
+    assert error < 2e-2, f"its self-test was off by {error:.3f}"
+
+
+def reference(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """What the kernel computes, in float32 torch: int8 activations per group of 32, 4-bit weights."""
+    q, step, low = quantize(weight)
+    step, low = step.half().float(), low.half().float()  # as the kernel stores them
+    rows, k = x.shape
+    a = x.float().view(rows, k // GROUP, GROUP)
+    scale = a.abs().amax(-1, keepdim=True) / 127
+    p = torch.round(a / torch.where(scale > 0, scale, 1)).clamp(-127, 127)
+    dots = torch.einsum("rgi,ngi->rng", p, q.float().view(-1, k // GROUP, GROUP))
+    y = (dots * step[None] * scale.transpose(1, 2)).sum(-1) + (a.sum(-1)[:, None, :] * low[None]).sum(-1)
+    return y if bias is None else y + bias

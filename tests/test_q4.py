@@ -1,0 +1,136 @@
+"""core.q4: the 4-bit kernel computes what its torch reference computes, in both variants, gives
+each row the same result at any row count, and its cached library is rebuilt when it is damaged
+or stale, or left for torch's kernel (with the reason) where it cannot be built."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from core import fast, q4
+
+
+@pytest.fixture
+def fresh(tmp_path, monkeypatch):
+    """A process that has not loaded the library yet, with an empty user cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(q4, "_state", {})
+    return tmp_path
+
+
+def variants() -> list[str]:
+    """The kernel variants this CPU can run (AVX-512 VNNI runs only where the CPU has it)."""
+    best = q4.isa()
+    return [] if best is None else [v for v in q4.ISAS if q4.ISAS[v] <= q4.ISAS[best]]
+
+
+def packed(weight, bias=None, variant=None):
+    lib = q4.library()
+    if lib is None:
+        pytest.skip(f"no 4-bit kernel here: {q4.unavailable()}")
+    layer = q4.Packed(lib, weight, bias)
+    if variant:
+        layer.variant = q4.ISAS[variant]
+    return layer
+
+
+@pytest.mark.parametrize("variant", ["avx512-vnni", "avx2"])
+@pytest.mark.parametrize(("out", "inp", "rows"), [(32, 64, 3), (48, 96, 1), (960, 576, 70), (16, 32, 9)])
+def test_kernel_matches_its_reference(variant, out, inp, rows):
+    """Odd tile counts, a single tile, one row and more rows than one pass takes."""
+    if variant not in variants():
+        pytest.skip(f"this CPU does not run the {variant} variant")
+    gen = torch.Generator().manual_seed(out + rows)
+    weight = torch.randn(out, inp, generator=gen) * 0.05
+    bias = torch.randn(out, generator=gen)
+    x = torch.randn(rows, inp, generator=gen).to(torch.bfloat16)
+    x[0, :5] *= 30  # an outlier sets its group's scale
+    got = packed(weight, bias, variant)(x).float()
+    want = q4.reference(x, weight, bias)
+    assert (got - want).abs().max() <= 1e-2 * want.abs().max()
+
+
+@pytest.mark.parametrize("variant", ["avx512-vnni", "avx2"])
+def test_every_row_rounds_alike_at_any_row_count(variant):
+    if variant not in variants():
+        pytest.skip(f"this CPU does not run the {variant} variant")
+    gen = torch.Generator().manual_seed(3)
+    layer = packed(torch.randn(96, 128, generator=gen) * 0.05, None, variant)
+    x = torch.randn(20, 128, generator=gen).to(torch.bfloat16)
+    whole = layer(x)
+    for start, stop in ((0, 1), (3, 4), (0, 5), (7, 20)):
+        assert torch.equal(layer(x[start:stop]), whole[start:stop])
+
+
+def test_strided_rows_and_other_dtypes_go_through_packed_linear():
+    """PackedLinear feeds the kernel contiguous bf16 rows and gives back the input's dtype; a shape
+    the kernel does not take (outputs not a multiple of 16) runs as a plain matmul."""
+    if not fast.kernel_works("q4", torch.bfloat16):
+        pytest.skip(f"no 4-bit kernel here: {q4.unavailable()}")
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(64, 64, generator=gen) * 0.05
+    layer = fast.PackedLinear(weight.to(torch.bfloat16), None, "q4")
+    x = torch.randn(4, 128, generator=gen).to(torch.bfloat16)[:, ::2]  # rows with a stride
+    assert torch.equal(layer(x), layer(x.contiguous()))
+    assert layer(x.float()).dtype == torch.float32
+    assert fast.PackedLinear(torch.randn(40, 64).to(torch.bfloat16), None, "q4").kernel == "dense"
+
+
+def _only_artifact(folder):
+    (path,) = (folder / "medusa-chat" / "kernels").glob("q4gemm-*.so")
+    return path
+
+
+def _launch(cache) -> subprocess.CompletedProcess:
+    """A later launch: a new process loads the kernel from the user cache `cache`."""
+    code = "import sys; from core import q4; lib = q4.library(); sys.exit(0 if lib and lib.q4_version() == q4.VERSION else 1)"
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_damaged_cached_library_is_deleted_and_rebuilt(fresh):
+    if q4.library() is None:
+        pytest.skip(f"no 4-bit kernel here: {q4.unavailable()}")
+    path = _only_artifact(fresh)
+    truncated = path.read_bytes()[:4000]
+    path.unlink()  # a new file: this process keeps the old one mapped
+    path.write_bytes(truncated)
+    later = _launch(fresh)
+    assert later.returncode == 0 and "was unusable" in later.stderr
+    assert later.stderr.count("\n") == 1  # one sentence
+    assert _only_artifact(fresh).stat().st_size > 4000
+    again = _launch(fresh)
+    assert again.returncode == 0 and again.stderr == ""  # a good one loads quietly
+
+
+def test_stale_cached_library_is_rebuilt(fresh):
+    """A library of another version of the kernel under the same name (a stale build)."""
+    if q4.library() is None:
+        pytest.skip(f"no 4-bit kernel here: {q4.unavailable()}")
+    path = _only_artifact(fresh)
+    source = fresh / "old.c"
+    source.write_text("int q4_version(void) { return 0; }\n")
+    subprocess.run([q4._compiler(), "-shared", "-fPIC", str(source), "-o", str(fresh / "old.so")], check=True)
+    (fresh / "old.so").replace(path)
+    stamp = path.with_suffix(".sha256")
+    stamp.write_text(f"0 {q4._digest(path)}")  # intact, as it was built: found stale before loading
+    later = _launch(fresh)
+    assert later.returncode == 0 and "version 0" in later.stderr
+    stamp.write_text(f"{q4.VERSION} {q4._digest(path)}")  # a stale library that claims the version
+    (fresh / "old.so").unlink(missing_ok=True)
+    subprocess.run([q4._compiler(), "-shared", "-fPIC", str(source), "-o", str(fresh / "old.so")], check=True)
+    (fresh / "old.so").replace(path)
+    stamp.write_text(f"{q4.VERSION} {q4._digest(path)}")
+    later = _launch(fresh)
+    assert later.returncode == 0 and "version 0" in later.stderr  # caught once loaded, and replaced
+
+
+def test_without_a_compiler_the_reason_is_given_and_torch_int4_stays(fresh, monkeypatch, capsys):
+    monkeypatch.setenv("CC", str(fresh / "no-such-compiler"))
+    assert q4.library() is None
+    assert "no-such-compiler was not found" in q4.unavailable()
+    assert capsys.readouterr().err.count("\n") == 1  # one sentence
+    assert not fast.kernel_works("q4", torch.bfloat16)
+    assert fast.PackedLinear(torch.randn(32, 64).to(torch.bfloat16), None, "int4").kernel == "int4"
