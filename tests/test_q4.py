@@ -85,7 +85,9 @@ def _only_artifact(folder):
 
 def _launch(cache) -> subprocess.CompletedProcess:
     """A later launch: a new process loads the kernel from the user cache `cache`."""
-    code = "import sys; from core import q4; lib = q4.library(); sys.exit(0 if lib and lib.q4_version() == q4.VERSION else 1)"
+    code = (
+        "import sys; from core import q4; lib = q4.library(); sys.exit(lib is None or lib.q4_version() != q4.VERSION)"
+    )
     env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
 
