@@ -297,7 +297,8 @@ class LeanLayer:
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.inner = config.intermediate_size
         self.index = index
-        self.norm1, self.norm2 = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
+        self.ops = q4.ops(_dtype(layer))
+        self.norm1, self.norm2 = _norm(layer.input_layernorm, self.ops), _norm(layer.post_attention_layernorm, self.ops)
         self.qkv, self.o_proj = layer.self_attn.qkv, layer.self_attn.o_proj
         self.gate_up, self.down = layer.mlp.gate_up, layer.mlp.down_proj
 
@@ -309,15 +310,23 @@ class LeanLayer:
         qk = _rotate(qkv[:, : self.q_size + self.kv_size].view(t, heads + kv, d), *rope)
         cache.keys[i, :, past:end] = qk[:, heads:].transpose(0, 1)
         cache.values[i, :, past:end] = qkv[:, self.q_size + self.kv_size :].view(t, kv, d).transpose(0, 1)
-        a = F.scaled_dot_product_attention(
-            qk[:, :heads].transpose(0, 1).unsqueeze(0),
-            cache.keys[i, :, :end].unsqueeze(0),
-            cache.values[i, :, :end].unsqueeze(0),
-            attn_mask=mask,
-            is_causal=causal,
-            enable_gqa=heads != kv,
-        )
-        x = x + self.o_proj(a[0].transpose(0, 1).reshape(t, -1))
+        if self.ops is not None and not causal and t <= self.ops.MAX_ROWS and (mask is None or mask.dtype == qk.dtype):
+            seen = None if mask is None else mask[0, 0].contiguous()
+            a = self.ops.attention(qk[:, :heads], cache.keys[i], cache.values[i], end, seen, past)
+        else:
+            a = (
+                F.scaled_dot_product_attention(
+                    qk[:, :heads].transpose(0, 1).unsqueeze(0),
+                    cache.keys[i, :, :end].unsqueeze(0),
+                    cache.values[i, :, :end].unsqueeze(0),
+                    attn_mask=mask,
+                    is_causal=causal,
+                    enable_gqa=heads != kv,
+                )[0]
+                .transpose(0, 1)
+                .reshape(t, -1)
+            )
+        x = x + self.o_proj(a)
         gu = self.gate_up(self.norm2(x))
         return x + self.down(F.silu(gu[:, : self.inner]) * gu[:, self.inner :])
 
@@ -342,7 +351,7 @@ class FastForward:
         self.kv_heads, self.head_dim = first.kv_heads, first.head_dim
         self.dtype = model.dtype
         self.rope = Rope(base.rotary_emb, self.head_dim, self.dtype)
-        self.final_norm = _norm(base.norm)
+        self.final_norm = _norm(base.norm, q4.ops(self.dtype))
         self.row_head = False  # a tree's logits a node at a time (set by `accelerate`, measured)
 
     def new_cache(self) -> StaticKV:
@@ -366,14 +375,26 @@ class FastForward:
         return self.final_norm(x)
 
 
-def _norm(module: nn.Module):
-    """An RMSNorm module as one fused call (same maths as transformers' Llama RMSNorm); an
-    nn.Identity (a layer without that norm) as itself."""
+def _dtype(layer: nn.Module) -> torch.dtype:
+    """The dtype a decoder layer computes in (its first floating parameter's)."""
+    return next(p.dtype for p in layer.parameters() if p.is_floating_point())
+
+
+def _norm(module: nn.Module, ops: q4.Ops | None = None):
+    """An RMSNorm module as one fused call (same maths as transformers' Llama RMSNorm; the
+    library's row-by-row kernel where `ops` is given, for (T, H) inputs); an nn.Identity (a
+    layer without that norm) as itself."""
     if isinstance(module, nn.Identity):
         return module
     weight = module.weight
     eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps", 1e-6)
     shape = (weight.shape[0],)
+    if ops is not None:
+        return lambda x: (
+            ops.rms_norm(x, weight, eps)
+            if x.dim() == 2 and x.stride(-1) == 1
+            else torch.rms_norm(x, shape, weight, eps)
+        )
     return lambda x: torch.rms_norm(x, shape, weight, eps)
 
 

@@ -30,9 +30,9 @@ import torch
 from torch import Tensor
 
 SOURCE = Path(__file__).parent / "native" / "q4gemm.c"
-VERSION = 1  # q4_version() of the source above
+VERSION = 2  # q4_version() of the source above
 GROUP, TILE = 32, 16  # inputs per scale (GGUF Q4_1's block), outputs per tile
-FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off")
+FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
 ISAS = {"avx512-vnni": 2, "avx2": 1}  # the kernel variants, as q4_gemm numbers them
 
 _lock = threading.Lock()
@@ -133,6 +133,12 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.q4_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p]
     lib.q4_run.argtypes += [ctypes.c_int64, ctypes.c_void_p]
     lib.q4_run.restype = ctypes.c_int
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.q4_attention.argtypes = [ctypes.c_int, ctypes.c_int, i64, i64, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, i64]
+    lib.q4_attention.argtypes += [ctypes.c_float, ptr]
+    lib.q4_attention.restype = ctypes.c_int
+    lib.q4_rmsnorm.argtypes = [ctypes.c_int, i64, i64, ptr, i64, ptr, ctypes.c_float, ptr]
+    lib.q4_rmsnorm.restype = None
     return lib
 
 
@@ -269,3 +275,44 @@ def reference(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     dots = torch.einsum("rgi,ngi->rng", p, q.float().view(-1, k // GROUP, GROUP))
     y = (dots * step[None] * scale.transpose(1, 2)).sum(-1) + (a.sum(-1)[:, None, :] * low[None]).sum(-1)
     return y if bias is None else y + bias
+
+
+class Ops:
+    """The library's bf16 attention and RMSNorm for a decoding step, row by row: a tree's rows get
+    exactly the bits one-token steps would (see q4gemm.c)."""
+
+    MAX_ROWS = 64  # longer blocks (a prompt's prefill) keep torch's attention
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib, self.variant = lib, ISAS[isa()]
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """(rows, n) bf16 with contiguous rows → the same shape, normalized."""
+        rows, n = x.shape
+        y = torch.empty(rows, n, dtype=torch.bfloat16)
+        self.lib.q4_rmsnorm(self.variant, rows, n, x.data_ptr(), x.stride(0), weight.data_ptr(), eps, y.data_ptr())
+        return y
+
+    def attention(
+        self, q: Tensor, keys: Tensor, values: Tensor, length: int, mask: Tensor | None, open: int = 0
+    ) -> Tensor:
+        """q (t, heads, d) with contiguous heads, keys and values (kv heads, capacity, d), of which
+        the first `length` are used; mask (t, length) bf16, 0 where a key is seen, or None (all
+        seen); every query sees the keys before `open` (the cached prefix) → (t, heads · d)."""
+        t, heads, d = q.shape
+        kv, capacity = keys.shape[0], keys.shape[1]
+        out = torch.empty(t, heads * d, dtype=torch.bfloat16)
+        code = self.lib.q4_attention(
+            self.variant, torch.get_num_threads(), t, heads, kv, d, length, q.data_ptr(), q.stride(0),
+            keys.data_ptr(), values.data_ptr(), capacity, None if mask is None else mask.data_ptr(), open,
+            d**-0.5, out.data_ptr(),
+        )  # fmt: skip
+        if code:
+            raise MemoryError("the attention kernel could not allocate its scratch memory")
+        return out
+
+
+def ops(dtype: torch.dtype) -> Ops | None:
+    """The library's step ops for a model in `dtype` (bf16 only), or None where they do not run."""
+    lib = library() if dtype == torch.bfloat16 else None
+    return None if lib is None else Ops(lib)

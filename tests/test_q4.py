@@ -136,3 +136,59 @@ def test_without_a_compiler_the_reason_is_given_and_torch_int4_stays(fresh, monk
     assert capsys.readouterr().err.count("\n") == 1  # one sentence
     assert not fast.kernel_works("q4", torch.bfloat16)
     assert fast.PackedLinear(torch.randn(32, 64).to(torch.bfloat16), None, "int4").kernel == "int4"
+
+
+def ops_or_skip(variant: str) -> q4.Ops:
+    if variant not in variants():
+        pytest.skip(f"this CPU does not run the {variant} variant")
+    ops = q4.ops(torch.bfloat16)
+    if ops is None:
+        pytest.skip(f"no kernel library here: {q4.unavailable()}")
+    ops.variant = q4.ISAS[variant]
+    return ops
+
+
+@pytest.mark.parametrize("variant", ["avx512-vnni", "avx2"])
+def test_attention_matches_torch_and_a_tree_node_equals_a_one_token_step(variant):
+    """GQA (6 heads on 2 kv heads) with a tree mask against torch's sdpa; then node 3 of the tree,
+    whose ancestors sit at scattered slots, against a one-token step over the same keys laid out
+    as an accepted path (prefix, then its ancestors in order): the same bits."""
+    ops = ops_or_skip(variant)
+    gen = torch.Generator().manual_seed(5)
+    heads, kv, d, past = 6, 2, 32, 37
+    parents = [-1, 0, 0, 1, 1, 2]  # a tree of 6 nodes after a prefix of 37 keys
+    t, length = len(parents), past + len(parents)
+    seen = torch.zeros(t, length, dtype=torch.bool)
+    seen[:, :past] = True
+    for node, parent in enumerate(parents):
+        seen[node, past + node] = True
+        while parent >= 0:
+            seen[node, past + parent], parent = True, parents[parent]
+    mask = torch.zeros(t, length).masked_fill(~seen, torch.finfo(torch.bfloat16).min).to(torch.bfloat16)
+    keys = torch.randn(kv, 64, d, generator=gen).to(torch.bfloat16)
+    values = torch.randn(kv, 64, d, generator=gen).to(torch.bfloat16)
+    q = torch.randn(t, heads, d, generator=gen).to(torch.bfloat16)
+    got = ops.attention(q, keys, values, length, mask, past).view(t, heads, d)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None], keys[:, :length].float()[None], values[:, :length].float()[None],
+        attn_mask=mask.float()[None, None], enable_gqa=True,
+    )[0].transpose(0, 1)  # fmt: skip
+    assert (got.float() - want).abs().max() < 2e-2
+    node, path = 3, [past + 0, past + 1, past + 3]  # node 3's ancestors 0 and 1, then itself
+    order = list(range(past)) + path
+    plain_keys, plain_values = keys[:, order].contiguous(), values[:, order].contiguous()
+    one = ops.attention(q[node : node + 1], plain_keys, plain_values, len(order), None)
+    assert torch.equal(one.view(heads, d), got[node])
+
+
+@pytest.mark.parametrize("variant", ["avx512-vnni", "avx2"])
+def test_rms_norm_matches_llama(variant):
+    ops = ops_or_skip(variant)
+    gen = torch.Generator().manual_seed(6)
+    x = (torch.randn(5, 96, generator=gen) * 3).to(torch.bfloat16)
+    weight = torch.rand(96, generator=gen).to(torch.bfloat16)
+    got = ops.rms_norm(x, weight, 1e-5)
+    hidden = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+    want = weight * hidden.to(torch.bfloat16)
+    assert (got.float() - want.float()).abs().max() <= 2 * 2**-8 * want.float().abs().max()
+    assert torch.equal(ops.rms_norm(x[2:3], weight, 1e-5), got[2:3])
