@@ -181,7 +181,7 @@ class Engine:
         dtype = str(b.model.dtype).removeprefix("torch.")
         # a many-token verify forward rounds differently from a one-token one below float32
         exact = "" if b.model.dtype == torch.float32 else f" · lossless is exact up to {dtype} rounding"
-        precision = f"int4 weights, {dtype}" if fast.layer_kernel(b.model) == "int4" else dtype
+        precision = f"4-bit weights, {dtype}" if fast.layer_kernel(b.model) in ("int4", "q4") else dtype
         return f"**Ready:** {self.model_id} · {precision} on {b.model.device.type} · {heads}{exact}"
 
     def require(self) -> Loaded:

@@ -25,7 +25,8 @@ from torch import Tensor, nn
 from core import q4
 
 SUPPORTED = ("llama", "mistral", "qwen2")  # model_type values whose decoder layers FastForward reproduces
-KERNELS = ("dense", "onednn", "int4", "q4")  # how a PackedLinear multiplies; see PackedLinear
+KERNELS = ("dense", "onednn", "int4", "q4", "q8")  # how a PackedLinear multiplies; see PackedLinear
+QUANTIZED = ("int4", "q4", "q8")  # the kernels of quantized weights, run with bf16 activations
 _ATTR = "medusa_fast_forward"  # where a model carries its FastForward (see forward_of)
 INT4_GROUP = 32  # int4 weights: one scale and zero per 32 inputs (the GGUF Q4_1 block)
 
@@ -40,6 +41,8 @@ class PackedLinear(nn.Module):
     - "q4": the same 4-bit weights with int8 activations, through `core.q4`'s kernel, whose cost
       barely grows with the rows up to 8 (torch's int4 kernel costs per block of 4 rows). A
       shape the kernel does not take (outputs not a multiple of 16) gets "dense".
+    - "q8": 8-bit weights (GGUF Q8_0's form, as the embedded model keeps its lm_head) with int8
+      activations, through the same library.
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None, kernel: str) -> None:
@@ -50,13 +53,13 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach()
         w = weight.detach()
-        if kernel == "q4" and not q4.fits(*w.shape):
+        if kernel in ("q4", "q8") and not q4.fits(*w.shape):
             self.kernel = kernel = "dense"
-        if kernel == "q4":
+        if kernel in ("q4", "q8"):
             lib = q4.library()
             if lib is None:
-                raise RuntimeError(f"the 4-bit kernel is unavailable: {q4.unavailable()}")
-            self.packed = q4.Packed(lib, w, bias)
+                raise RuntimeError(f"the kernel library is unavailable: {q4.unavailable()}")
+            self.packed = q4.Packed(lib, w, bias, bits=4 if kernel == "q4" else 8)
         elif kernel == "onednn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 16)
         elif kernel == "int4":
@@ -72,7 +75,7 @@ class PackedLinear(nn.Module):
         elif self.kernel == "int4":
             y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, INT4_GROUP, self.scales_zeros)
             y = y if self.bias is None else y + self.bias
-        elif self.kernel == "q4":
+        elif self.kernel in ("q4", "q8"):
             y = self.packed(x2 if x2.dtype == torch.bfloat16 else x2.to(torch.bfloat16)).to(x.dtype)
         else:
             y = F.linear(x2, self.packed, self.bias)
@@ -102,7 +105,7 @@ def kernel_works(kernel: str, dtype: torch.dtype) -> bool:
     each row the same result at any row count. A kernel whose rounding depends on the row count
     (MKL's fp32 gemv against its gemm, on some CPUs) would make tree decoding drift from plain
     decoding, so it is not used: this is measured here, not assumed."""
-    if kernel in ("int4", "q4") and dtype != torch.bfloat16:
+    if kernel in QUANTIZED and dtype != torch.bfloat16:
         return False  # the 4-bit kernels are fast only with bf16 activations
     gen = torch.Generator().manual_seed(0)
     try:
@@ -197,9 +200,7 @@ def _cost_grows_by_row(head: PackedLinear, rows: int = 8) -> bool:
     re-reads the weights per row, such as bf16 emulated without native bf16 arithmetic)."""
     from core.tune.profile import time_ms  # core.tune builds on this module
 
-    x = torch.zeros(
-        rows, head.in_features, dtype=torch.bfloat16 if head.kernel in ("int4", "q4") else head.packed.dtype
-    )
+    x = torch.zeros(rows, head.in_features, dtype=torch.bfloat16 if head.kernel in QUANTIZED else head.packed.dtype)
     with torch.inference_mode():
         one, many = (time_ms(lambda n=n: head(x[:n]), repeats=3, fastest=True) for n in (1, rows))
     return many > 2 * one

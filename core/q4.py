@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 SOURCE = Path(__file__).parent / "native" / "q4gemm.c"
-VERSION = 2  # q4_version() of the source above
+VERSION = 3  # q4_version() of the source above
 GROUP, TILE = 32, 16  # inputs per scale (GGUF Q4_1's block), outputs per tile
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
 ISAS = {"avx512-vnni": 2, "avx2": 1}  # the kernel variants, as q4_gemm numbers them
@@ -116,6 +116,7 @@ class Layer(ctypes.Structure):
     _fields_ = [
         ("n", ctypes.c_int64),
         ("k", ctypes.c_int64),
+        ("bits", ctypes.c_int64),
         ("w", ctypes.c_void_p),
         ("d", ctypes.c_void_p),
         ("m", ctypes.c_void_p),
@@ -218,24 +219,49 @@ def quantize(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return q.contiguous(), step, low
 
 
-class Packed:
-    """One weight in the kernel's layout, with the C descriptor that points at it."""
+def quantize8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """(N, K) weight → q (N, K) int8 in [-127, 127] and step (N, K/32): w ≈ step·q per group of 32
+    inputs (GGUF Q8_0's form)."""
+    n, k = w.shape
+    groups = w.float().view(n, k // GROUP, GROUP)
+    step = (groups.abs().amax(-1) / 127).clamp(min=1e-12)
+    q = torch.round(groups / step[..., None]).clamp(-127, 127).to(torch.int8).view(n, k)
+    return q.contiguous(), step
 
-    def __init__(self, lib: ctypes.CDLL, weight: Tensor, bias: Tensor | None) -> None:
+
+def _by_tile(x: Tensor, tiles: int, groups: int) -> Tensor:
+    """(N, K/32) per output and group → [t, g, j] = [t·16 + j, g], as the kernel reads them."""
+    return x.view(tiles, TILE, groups).transpose(1, 2).contiguous()
+
+
+class Packed:
+    """One weight in the kernel's layout (4 bits: GGUF Q4_1's form; 8 bits: Q8_0's), with the C
+    descriptor that points at it. `variant`: the kernel variant that will run it (8-bit weights
+    are laid out for one)."""
+
+    def __init__(
+        self, lib: ctypes.CDLL, weight: Tensor, bias: Tensor | None, bits: int = 4, variant: str | None = None
+    ) -> None:
         n, k = weight.shape
-        q, step, low = quantize(weight)
         tiles, groups = n // TILE, k // GROUP
-        self.lib = lib
-        self.w = torch.empty(n * k // 2, dtype=torch.uint8)
-        lib.q4_pack(q.data_ptr(), n, k, self.w.data_ptr())
-        # scales and minimums per tile, group and output: [t, g, j] = [t·16 + j, g]
-        self.d = step.view(tiles, TILE, groups).transpose(1, 2).contiguous().to(torch.float16)
-        self.m = low.view(tiles, TILE, groups).transpose(1, 2).contiguous().to(torch.float16)
+        self.lib, self.n, self.bits = lib, n, bits
+        self.variant = ISAS[variant or isa()]
+        if bits == 4:
+            q, step, low = quantize(weight)
+            self.w = torch.empty(n * k // 2, dtype=torch.uint8)
+            lib.q4_pack(q.data_ptr(), n, k, self.w.data_ptr())
+            self.m = _by_tile(low, tiles, groups).to(torch.float16)
+        else:  # byte 64u + 4j + i of a tile's group = q[k = 4u + i][j]
+            q, step = quantize8(weight)
+            self.w = q.view(tiles, TILE, groups, 8, 4).permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8)
+            shifted = 128 * q.view(n, groups, GROUP).sum(-1, dtype=torch.int32)  # VNNI's shift, taken back out
+            self.m = _by_tile(
+                shifted if self.variant == ISAS["avx512-vnni"] else torch.zeros_like(shifted), tiles, groups
+            )
+        self.d = _by_tile(step, tiles, groups).to(torch.float16)
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.layer = Layer(n, k, self.w.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), self.bias_ptr())
+        self.layer = Layer(n, k, bits, self.w.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), self.bias_ptr())
         self.address = ctypes.addressof(self.layer)
-        self.variant = ISAS[isa()]
-        self.n = n
 
     def bias_ptr(self) -> int | None:
         return None if self.bias is None else self.bias.data_ptr()
@@ -264,9 +290,12 @@ def _self_test(lib: ctypes.CDLL) -> None:
     assert error < 2e-2, f"its self-test was off by {error:.3f}"
 
 
-def reference(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """What the kernel computes, in float32 torch: int8 activations per group of 32, 4-bit weights."""
-    q, step, low = quantize(weight)
+def reference(x: Tensor, weight: Tensor, bias: Tensor | None = None, bits: int = 4) -> Tensor:
+    """What the kernel computes, in float32 torch: int8 activations per group of 32, 4- or 8-bit weights."""
+    if bits == 4:
+        q, step, low = quantize(weight)
+    else:
+        (q, step), low = quantize8(weight), torch.zeros(1)
     step, low = step.half().float(), low.half().float()  # as the kernel stores them
     rows, k = x.shape
     a = x.float().view(rows, k // GROUP, GROUP)

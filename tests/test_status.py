@@ -17,7 +17,7 @@ def test_the_status_says_when_lossless_is_exact_only_up_to_rounding():
         assert ("exact up to bfloat16 rounding" in engine.status()) is said
 
 
-def test_the_status_names_int4_weights():
+def test_the_status_names_4_bit_weights():
     from types import SimpleNamespace
 
     import pytest
@@ -31,6 +31,6 @@ def test_the_status_names_int4_weights():
 
     engine = Engine("tiny")
     engine.loaded = Loaded(SimpleNamespace(model=tiny_model("llama+int4")), None, True, "cpu-8", None)
-    assert "int4 weights, bfloat16 on cpu" in engine.status()
+    assert "4-bit weights, bfloat16 on cpu" in engine.status()
     engine.loaded = Loaded(SimpleNamespace(model=tiny_model("llama")), None, True, "cpu-8", None)
-    assert "int4" not in engine.status()
+    assert "4-bit" not in engine.status()

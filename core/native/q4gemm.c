@@ -29,7 +29,7 @@
 #define TILE_BYTES 256 /* 16 outputs × 32 inputs × 4 bits */
 #define CHUNK 64       /* rows per pass over a tile's weights */
 
-int q4_version(void) { return 2; }
+int q4_version(void) { return 3; }
 
 /* q (N×K, values 0..15, one per byte) → the packed layout above, N % 16 == 0, K % 32 == 0. */
 void q4_pack(const uint8_t *q, int64_t n, int64_t k, uint8_t *out) {
@@ -293,11 +293,102 @@ TILE256(4)
 
 static const tile_fn tiles256[5] = {0, tile256_1, tile256_2, tile256_3, tile256_4};
 
+/* ---------------------------------------------------------------- 8-bit weights
+ *
+ * For a matrix kept at 8 bits (the embedded model's lm_head is GGUF Q8_0): w = d·q, q in
+ * [-127, 127], per group of 32 inputs, laid out per tile and group as 512 bytes, byte
+ * 64u + 4j + i = q[k = 4u + i][j] (u < 8 quads). VNNI multiplies unsigned by signed bytes, so
+ * there the activations go in shifted by 128 and the shift comes back out exactly through
+ * c = 128·Σq (int32 per tile, group and output, in the `m` slot). AVX2 uses the sign trick. */
+#define TILE_BYTES8 512
+
+#define PAIR512_8(TILES)                                                                                             \
+  T512 static void pair512_8_##TILES(const uint8_t *w, const uint16_t *d, const int32_t *c, int64_t groups,       \
+                                     const int8_t *p, const float *e, int64_t k, int64_t rows, const float *bias, \
+                                     uint16_t *y, int64_t ldy, float *acc) {                                      \
+    const int64_t stride = groups * TILE_BYTES8;                                                                     \
+    const __m512i shift = _mm512_set1_epi8((char)0x80);                                                              \
+    memset(acc, 0, sizeof(float) * 32 * (size_t)rows);                                                              \
+    for (int64_t g = 0; g < groups; g++) {                                                                           \
+      __m512i b[TILES][8], cg[TILES];                                                                                \
+      __m512 dg[TILES];                                                                                              \
+      for (int t = 0; t < TILES; t++) {                                                                              \
+        for (int u = 0; u < 8; u++) b[t][u] = _mm512_loadu_si512((const void *)(w + t * stride + g * TILE_BYTES8 + 64 * u)); \
+        dg[t] = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(d + t * groups * TILE + g * TILE)));               \
+        cg[t] = _mm512_loadu_si512((const void *)(c + t * groups * TILE + g * TILE));                                \
+      }                                                                                                              \
+      for (int64_t r = 0; r < rows; r++) {                                                                           \
+        const int8_t *pr = p + r * k + g * GROUP;                                                                    \
+        __m512i dot[TILES];                                                                                          \
+        for (int t = 0; t < TILES; t++) dot[t] = _mm512_setzero_si512();                                           \
+        _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) {                                                       \
+          int32_t quad;                                                                                              \
+          memcpy(&quad, pr + 4 * u, 4);                                                                              \
+          __m512i a = _mm512_xor_si512(_mm512_set1_epi32(quad), shift);                                              \
+          for (int t = 0; t < TILES; t++) dot[t] = _mm512_dpbusd_epi32(dot[t], a, b[t][u]);                          \
+        }                                                                                                            \
+        __m512 es = _mm512_set1_ps(e[r * groups + g]);                                                               \
+        for (int t = 0; t < TILES; t++) {                                                                            \
+          float *ar = acc + r * 32 + 16 * t;                                                                         \
+          __m512 exact = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[t], cg[t]));                                        \
+          _mm512_storeu_ps(ar, _mm512_fmadd_ps(exact, _mm512_mul_ps(dg[t], es), _mm512_loadu_ps(ar)));               \
+        }                                                                                                            \
+      }                                                                                                              \
+    }                                                                                                                \
+    for (int t = 0; t < TILES; t++) {                                                                                \
+      __m512 bv = bias ? _mm512_loadu_ps(bias + 16 * t) : _mm512_setzero_ps();                                       \
+      for (int64_t r = 0; r < rows; r++)                                                                             \
+        store_bf16_512(y + r * ldy + 16 * t, _mm512_add_ps(_mm512_loadu_ps(acc + r * 32 + 16 * t), bv));           \
+    }                                                                                                                \
+  }
+
+PAIR512_8(1)
+PAIR512_8(2)
+
+/* AVX2, 8-bit weights: rows [0, R) of one tile, half by half. */
+#define TILE256_8(R)                                                                                                 \
+  T256 static void tile256_8_##R(const uint8_t *w, const uint16_t *d, int64_t groups, const int8_t *p,             \
+                                 const float *e, int64_t k, const float *bias, uint16_t *y, int64_t ldy) {        \
+    const __m256i ones = _mm256_set1_epi16(1);                                                                      \
+    for (int half = 0; half < 2; half++) {                                                                           \
+      __m256 acc[R];                                                                                                 \
+      for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                                    \
+      for (int64_t g = 0; g < groups; g++) {                                                                         \
+        __m256i dot[R];                                                                                              \
+        for (int r = 0; r < R; r++) dot[r] = _mm256_setzero_si256();                                               \
+        for (int u = 0; u < 8; u++) {                                                                                \
+          __m256i wv = _mm256_loadu_si256((const void *)(w + g * TILE_BYTES8 + 64 * u + 32 * half));                 \
+          __m256i aw = _mm256_sign_epi8(wv, wv);                                                                     \
+          for (int r = 0; r < R; r++) {                                                                              \
+            int32_t quad;                                                                                            \
+            memcpy(&quad, p + r * k + g * GROUP + 4 * u, 4);                                                         \
+            __m256i sa = _mm256_sign_epi8(_mm256_set1_epi32(quad), wv);                                              \
+            dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), ones));               \
+          }                                                                                                          \
+        }                                                                                                            \
+        __m256 dg = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(d + g * TILE + 8 * half)));                     \
+        for (int r = 0; r < R; r++)                                                                                  \
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(dg, _mm256_set1_ps(e[r * (k / GROUP) + g])), acc[r]); \
+      }                                                                                                              \
+      __m256 bv = bias ? _mm256_loadu_ps(bias + 8 * half) : _mm256_setzero_ps();                                     \
+      for (int r = 0; r < R; r++) store_bf16_256(y + r * ldy + 8 * half, _mm256_add_ps(acc[r], bv));               \
+    }                                                                                                                \
+  }
+
+TILE256_8(1)
+TILE256_8(2)
+TILE256_8(3)
+TILE256_8(4)
+
+typedef void (*tile8_fn)(const uint8_t *, const uint16_t *, int64_t, const int8_t *, const float *, int64_t,
+                         const float *, uint16_t *, int64_t);
+static const tile8_fn tiles256_8[5] = {0, tile256_8_1, tile256_8_2, tile256_8_3, tile256_8_4};
+
 /* ---------------------------------------------------------------- entry */
 
 /* One packed weight (core/q4.py's Layer). */
 typedef struct {
-  int64_t n, k;
+  int64_t n, k, bits; /* bits: 4 or 8 */
   const uint8_t *w;
   const uint16_t *d, *m; /* float16 */
   const float *bias;     /* or NULL */
@@ -325,7 +416,31 @@ int q4_run(const q4_layer *layer, int isa, int threads, int64_t rows, const uint
     else
       quantize_256(x + r * ldx, k, p + r * k, e + r * groups, s + r * groups);
   }
-  if (isa == 2) {
+  if (layer->bits == 8) {
+    const int32_t *c = (const int32_t *)layer->m;
+    if (isa == 2) {
+      int64_t pairs = (tiles + 1) / 2, chunks = (rows + CHUNK - 1) / CHUNK;
+#pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
+      for (int64_t pair = 0; pair < pairs; pair++)
+        for (int64_t ch = 0; ch < chunks; ch++) {
+          float acc[CHUNK * 32];
+          int64_t t = 2 * pair, r0 = ch * CHUNK, count = rows - r0 < CHUNK ? rows - r0 : CHUNK;
+          (t + 1 < tiles ? pair512_8_2 : pair512_8_1)(w + t * groups * TILE_BYTES8, d + t * groups * TILE,
+                                                      c + t * groups * TILE, groups, p + r0 * k, e + r0 * groups, k,
+                                                      count, bias ? bias + t * TILE : 0, y + r0 * n + t * TILE, n,
+                                                      acc);
+        }
+    } else {
+      int64_t passes = (rows + 3) / 4;
+#pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
+      for (int64_t t = 0; t < tiles; t++)
+        for (int64_t pass = 0; pass < passes; pass++) {
+          int64_t r0 = pass * 4, count = rows - r0 < 4 ? rows - r0 : 4;
+          tiles256_8[count](w + t * groups * TILE_BYTES8, d + t * groups * TILE, groups, p + r0 * k, e + r0 * groups,
+                            k, bias ? bias + t * TILE : 0, y + r0 * n + t * TILE, n);
+        }
+    }
+  } else if (isa == 2) {
     /* tasks: pairs of tiles (the last may be a single tile) × chunks of CHUNK rows */
     int64_t pairs = (tiles + 1) / 2, chunks = (rows + CHUNK - 1) / CHUNK;
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)

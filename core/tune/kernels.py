@@ -40,8 +40,12 @@ def native_bf16() -> bool:
 
 def candidates(dtype: str | None, int4: bool) -> list[Choice]:
     """What may be timed for a request: a dtype (None: any) and whether int4 weights were asked for."""
-    if int4:  # the 4-bit kernels run with bf16 activations; the lm_head stays unquantized
-        return [Choice("bfloat16", kernel, head) for kernel in ("int4", "q4") for head in ("onednn", "dense")]
+    if int4:  # the 4-bit kernels run with bf16 activations; the lm_head stays bf16, or 8-bit with q4
+        return [
+            Choice("bfloat16", kernel, head)
+            for kernel in ("int4", "q4")
+            for head in ("onednn", "dense", *(["q8"] if kernel == "q4" else []))
+        ]
     dtypes = [dtype] if dtype else ["float32", *(["bfloat16"] if native_bf16() else [])]
     return [Choice(d, k, k) for d in dtypes for k in ("onednn", "dense")]
 
