@@ -354,6 +354,7 @@ class FastForward:
         self.rope = Rope(base.rotary_emb, self.head_dim, self.dtype)
         self.final_norm = _norm(base.norm, q4.ops(self.dtype))
         self.row_head = False  # a tree's logits a node at a time (set by `accelerate`, measured)
+        self.native = _decoder(base.layers, config, self.layers)  # every layer in one call, or None
 
     def new_cache(self) -> StaticKV:
         return StaticKV(len(self.layers), self.kv_heads, self.head_dim, self.dtype)
@@ -370,10 +371,37 @@ class FastForward:
             mask, causal = causal_mask(t, past, self.dtype), False
         rope = self.rope(positions)
         x = self.embed(ids)
-        for layer in self.layers:
-            x = layer(x, rope, cache, past, mask, causal)
+        if self.native is not None and not causal and t <= q4.Ops.MAX_ROWS and (mask is None or mask.dtype == x.dtype):
+            x = x.contiguous()
+            cos, sin = (r.reshape(t, -1).contiguous() for r in rope)
+            seen = None if mask is None else mask[0, 0].contiguous()
+            self.native(x, cos, sin, past, seen, cache.keys, cache.values)
+        else:
+            for layer in self.layers:
+                x = layer(x, rope, cache, past, mask, causal)
         cache.length = past + t
         return self.final_norm(x)
+
+
+def _decoder(layers: nn.ModuleList, config, lean: list[LeanLayer]) -> q4.Decoder | None:
+    """The library's whole-layer decoder where every layer runs on the q4 kernel with its ops."""
+    if not lean or any(
+        layer.ops is None or any(p.kernel != "q4" for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+        for layer in lean
+    ):
+        return None
+    first = layers[0].input_layernorm
+    eps = getattr(first, "variance_epsilon", None) or getattr(first, "eps", 1e-6)
+    weights = [
+        (
+            m.input_layernorm.weight,
+            m.post_attention_layernorm.weight,
+            *(p.packed for p in (one.qkv, one.o_proj, one.gate_up, one.down)),
+        )
+        for m, one in zip(layers, lean, strict=True)
+    ]
+    one = lean[0]
+    return q4.Decoder(one.ops, weights, config.hidden_size, one.heads, one.kv_heads, one.head_dim, one.inner, eps)
 
 
 def _dtype(layer: nn.Module) -> torch.dtype:

@@ -1,4 +1,5 @@
-"""The 4-bit kernel of `native/q4gemm.c`: built here with the C compiler, cached, and loaded.
+"""The kernel library of `native/` (4- and 8-bit matmuls, a step's attention, norms and decoder
+layers): built here with the C compiler, cached, and loaded.
 
 torch's int4 CPU matmul unpacks the weights again for every block of 4 rows, so verifying a tree
 of 8 or 16 nodes costs 2–4× a one-token step. `q4gemm.c` unpacks a group of weights once and uses
@@ -29,7 +30,8 @@ import platformdirs
 import torch
 from torch import Tensor
 
-SOURCE = Path(__file__).parent / "native" / "q4gemm.c"
+NATIVE = Path(__file__).parent / "native"
+SOURCES = (NATIVE / "q4gemm.c", NATIVE / "step.c")  # compiled together, with common.h
 VERSION = 3  # q4_version() of the source above
 GROUP, TILE = 32, 16  # inputs per scale (GGUF Q4_1's block), outputs per tile
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
@@ -69,7 +71,8 @@ def _compiler() -> str:
 def _artifact(compiler: str) -> Path:
     """Where the library built from this source with this compiler lives."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    code = b"".join(p.read_bytes() for p in (*SOURCES, NATIVE / "common.h"))
+    key = hashlib.sha256(code + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
     return artifact_dir() / f"q4gemm-{key}.so"
 
 
@@ -98,7 +101,9 @@ def _build(compiler: str, target: Path) -> None:
     fd, temp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", temp], capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [compiler, *FLAGS, *map(str, SOURCES), "-o", temp], capture_output=True, text=True, timeout=300
+        )
         if done.returncode:
             last = (done.stderr.strip().splitlines() or ["no message"])[-1]
             raise OSError(f"the compiler failed: {last}")
@@ -140,6 +145,8 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.q4_attention.restype = ctypes.c_int
     lib.q4_rmsnorm.argtypes = [ctypes.c_int, i64, i64, ptr, i64, ptr, ctypes.c_float, ptr]
     lib.q4_rmsnorm.restype = None
+    lib.q4_decode.argtypes = [ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64]
+    lib.q4_decode.restype = ctypes.c_int
     return lib
 
 
@@ -345,3 +352,49 @@ def ops(dtype: torch.dtype) -> Ops | None:
     """The library's step ops for a model in `dtype` (bf16 only), or None where they do not run."""
     lib = library() if dtype == torch.bfloat16 else None
     return None if lib is None else Ops(lib)
+
+
+class Block(ctypes.Structure):
+    """One decoder layer for q4_decode (the C struct q4_block)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("norm1", "norm2", "qkv", "o", "gate_up", "down")]
+
+
+class Model(ctypes.Structure):
+    """The decoder layers for q4_decode (the C struct q4_model)."""
+
+    _fields_ = [
+        *((name, ctypes.c_int64) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "inner")),
+        ("eps", ctypes.c_float),
+        ("blocks", ctypes.c_void_p),
+    ]
+
+
+class Decoder:
+    """Every decoder layer of a step in one call into the library: norms, q4 matmuls, rotary
+    positions, cache writes, attention and the SwiGLU MLP, for up to `Ops.MAX_ROWS` rows.
+
+    `layers`: (norm1 weight, norm2 weight, qkv, o, gate_up, down) per layer, the four matmuls as
+    `Packed` 4-bit weights; the tensors must outlive the decoder."""
+
+    def __init__(self, ops: Ops, layers: list[tuple], hidden: int, heads: int, kv_heads: int, head_dim: int,
+                 inner: int, eps: float) -> None:  # fmt: skip
+        self.lib, self.variant = ops.lib, ops.variant
+        self.blocks = (Block * len(layers))(
+            *(Block(n1.data_ptr(), n2.data_ptr(), *(p.address for p in linears)) for n1, n2, *linears in layers)
+        )
+        self.model = Model(len(layers), hidden, heads, kv_heads, head_dim, inner, eps, ctypes.addressof(self.blocks))
+        self.address = ctypes.addressof(self.model)
+
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, past: int, mask: Tensor | None, keys: Tensor,
+                 values: Tensor) -> None:  # fmt: skip
+        """x (t, hidden) bf16, contiguous: the residual stream, updated in place; cos, sin (t, head
+        dim); keys and values (layers, kv heads, capacity, head dim), rows [past, past + t) written;
+        mask (t, past + t) bf16, 0 where a key is seen, or None."""
+        code = self.lib.q4_decode(
+            self.address, self.variant, torch.get_num_threads(), x.shape[0], x.data_ptr(), cos.data_ptr(),
+            sin.data_ptr(), past, None if mask is None else mask.data_ptr(), keys.data_ptr(), values.data_ptr(),
+            keys.shape[2],
+        )  # fmt: skip
+        if code:
+            raise MemoryError("the decoder kernel could not allocate its scratch memory")

@@ -18,16 +18,7 @@
  * nibble (h < 4, output j < 16, i < 4). Scales d and offsets m are float, per tile, group and
  * output, as float16: d[(t·G + g)·16 + j].
  */
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-#define GROUP 32
-#define TILE 16
-#define TILE_BYTES 256 /* 16 outputs × 32 inputs × 4 bits */
-#define CHUNK 64       /* rows per pass over a tile's weights */
+#include "common.h"
 
 int q4_version(void) { return 3; }
 
@@ -46,24 +37,8 @@ void q4_pack(const uint8_t *q, int64_t n, int64_t k, uint8_t *out) {
     }
 }
 
-static inline float bf16_to_float(uint16_t b) {
-  uint32_t bits = (uint32_t)b << 16;
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
-}
-
-static inline uint16_t float_to_bf16(float f) { /* round to nearest even */
-  uint32_t bits;
-  memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffff) > 0x7f800000) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
-  bits += 0x7fff + ((bits >> 16) & 1);
-  return (uint16_t)(bits >> 16);
-}
-
 /* ---------------------------------------------------------------- AVX-512 VNNI */
 
-#define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 
 T512 static void quantize_512(const uint16_t *x, int64_t k, int8_t *p, float *e, float *s) {
   for (int64_t g = 0; g < k / GROUP; g++) {
@@ -194,7 +169,6 @@ typedef void (*tile_fn)(const uint8_t *, const uint16_t *, const uint16_t *, int
 
 /* ---------------------------------------------------------------- AVX2 */
 
-#define T256 __attribute__((target("avx2,fma,f16c")))
 
 T256 static inline float hmax256(__m256 v) {
   __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -386,13 +360,6 @@ static const tile8_fn tiles256_8[5] = {0, tile256_8_1, tile256_8_2, tile256_8_3,
 
 /* ---------------------------------------------------------------- entry */
 
-/* One packed weight (core/q4.py's Layer). */
-typedef struct {
-  int64_t n, k, bits; /* bits: 4 or 8 */
-  const uint8_t *w;
-  const uint16_t *d, *m; /* float16 */
-  const float *bias;     /* or NULL */
-} q4_layer;
 
 /* y (rows×n, bf16) = x (rows×k, bf16, row stride ldx) · Wᵀ + bias. isa: 2 = AVX-512 VNNI,
  * 1 = AVX2. Returns 0, or -1 when a scratch buffer could not be had. */
@@ -474,165 +441,3 @@ int q4_run(const q4_layer *layer, int isa, int threads, int64_t rows, const uint
   return 0;
 }
 
-/* ---------------------------------------------------------------- attention and RMSNorm, bf16
- *
- * A step's attention and norms, each row on its own: a tree node sums over the keys it sees in
- * the order a one-token step would (its visible keys are compacted first, so a key's place in
- * every vector sum is its rank among them, not its slot in the cache), which makes tree and
- * plain decoding give the same bits. Written as plain loops that the compiler vectorizes for
- * each target below.
- */
-
-static inline float exp_neg(float x) { /* e^x for x <= 0, to about 2 ulp (0 below -87) */
-  x = x < -87.0f ? -87.0f : x;
-  float n = __builtin_rintf(x * 1.44269504f);
-  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  int32_t bits = ((int32_t)n + 127) << 23;
-  float scale;
-  memcpy(&scale, &bits, 4);
-  return p * scale;
-}
-
-static inline float bf(uint16_t b) { return bf16_to_float(b); }
-
-/* Attention of up to LANES queries that share a kv head (query l is lane l), against keys and
- * values [0, length): every lane sums over d and over the keys in the same order whatever the
- * other lanes hold, and a key a query does not see adds an exact 0, so a tree's node and a
- * one-token step that see the same keys get the same bits. Keys before `open` are seen by every
- * lane; from there on mask[l][j] says (0: seen). work: length·LANES + d·LANES + d floats. */
-#define LANES 16
-#define ATTEND(NAME, TARGET)                                                                                         \
-  TARGET static void NAME(int64_t lanes, int64_t d, const uint16_t *const *q, const uint16_t *k, const uint16_t *v,  \
-                          int64_t length, int64_t open, const uint16_t *const *mask, float scale, float *work,      \
-                          uint16_t *const *out) {                                                                   \
-    float *scores = work, *qt = scores + length * LANES, *acc = qt; /* acc reuses qt once scores are done */       \
-    float *row = qt + d * LANES;                                                                                     \
-    for (int64_t i = 0; i < d; i++)                                                                                  \
-      for (int l = 0; l < LANES; l++) qt[i * LANES + l] = l < lanes ? bf(q[l][i]) * scale : 0.0f;                   \
-    float top[LANES];                                                                                                \
-    for (int l = 0; l < LANES; l++) top[l] = -INFINITY;                                                              \
-    int64_t j = 0;                                                                                                   \
-    for (; j + 4 <= length; j += 4) { /* four keys at once: four independent sums */                                \
-      float s0[LANES] = {0}, s1[LANES] = {0}, s2[LANES] = {0}, s3[LANES] = {0};                                      \
-      const uint16_t *kj = k + j * d;                                                                                \
-      for (int64_t i = 0; i < d; i++) {                                                                              \
-        float k0 = bf(kj[i]), k1 = bf(kj[d + i]), k2 = bf(kj[2 * d + i]), k3 = bf(kj[3 * d + i]);                    \
-        const float *qi = qt + i * LANES;                                                                            \
-        _Pragma("omp simd") for (int l = 0; l < LANES; l++) {                                                       \
-          s0[l] += qi[l] * k0;                                                                                       \
-          s1[l] += qi[l] * k1;                                                                                       \
-          s2[l] += qi[l] * k2;                                                                                       \
-          s3[l] += qi[l] * k3;                                                                                       \
-        }                                                                                                            \
-      }                                                                                                              \
-      _Pragma("omp simd") for (int l = 0; l < LANES; l++) {                                                         \
-        scores[j * LANES + l] = s0[l];                                                                               \
-        scores[(j + 1) * LANES + l] = s1[l];                                                                         \
-        scores[(j + 2) * LANES + l] = s2[l];                                                                         \
-        scores[(j + 3) * LANES + l] = s3[l];                                                                         \
-      }                                                                                                              \
-    }                                                                                                                \
-    for (; j < length; j++) {                                                                                        \
-      float s0[LANES] = {0};                                                                                         \
-      const uint16_t *kj = k + j * d;                                                                                \
-      for (int64_t i = 0; i < d; i++) {                                                                              \
-        float k0 = bf(kj[i]);                                                                                        \
-        _Pragma("omp simd") for (int l = 0; l < LANES; l++) s0[l] += qt[i * LANES + l] * k0;                         \
-      }                                                                                                              \
-      _Pragma("omp simd") for (int l = 0; l < LANES; l++) scores[j * LANES + l] = s0[l];                            \
-    }                                                                                                                \
-    for (j = open; j < length; j++) /* the keys some lanes do not see */                                            \
-      for (int l = 0; l < LANES; l++)                                                                                \
-        if (l >= lanes || (mask[l] && (mask[l][j] & 0x7fff) != 0)) scores[j * LANES + l] = -INFINITY;              \
-    for (j = 0; j < length; j++) {                                                                                   \
-      _Pragma("omp simd") for (int l = 0; l < LANES; l++) top[l] = scores[j * LANES + l] > top[l] ? scores[j * LANES + l] : top[l]; \
-    }                                                                                                                \
-    float total[LANES] = {0};                                                                                        \
-    for (j = 0; j < length; j++) {                                                                                   \
-      _Pragma("omp simd") for (int l = 0; l < LANES; l++) {                                                         \
-        float x = scores[j * LANES + l];                                                                             \
-        float p = x == -INFINITY ? 0.0f : exp_neg(x - top[l]);                                                       \
-        scores[j * LANES + l] = p;                                                                                   \
-        total[l] += p;                                                                                               \
-      }                                                                                                              \
-    }                                                                                                                \
-    for (int64_t i = 0; i < d * LANES; i++) acc[i] = 0.0f;                                                           \
-    for (j = 0; j < length; j++) {                                                                                   \
-      const uint16_t *vj = v + j * d;                                                                                \
-      const float *pj = scores + j * LANES;                                                                          \
-      for (int64_t i = 0; i < d; i++) row[i] = bf(vj[i]);                                                            \
-      for (int64_t i = 0; i < d; i++) {                                                                              \
-        float x = row[i];                                                                                            \
-        _Pragma("omp simd") for (int l = 0; l < LANES; l++) acc[i * LANES + l] += pj[l] * x;                         \
-      }                                                                                                              \
-    }                                                                                                                \
-    for (int64_t l = 0; l < lanes; l++) {                                                                            \
-      float inv = 1.0f / total[l];                                                                                   \
-      for (int64_t i = 0; i < d; i++) out[l][i] = float_to_bf16(acc[i * LANES + l] * inv);                          \
-    }                                                                                                                \
-  }
-
-ATTEND(attend512, T512)
-ATTEND(attend256, T256)
-
-/* out (t × heads × d) for queries q (t × heads × d, row stride ldq) against keys and values
- * (kv_heads × capacity × d, the first `length` used); query head h reads kv head h / (heads /
- * kv_heads). mask: t × length bf16, 0 where a query sees a key (NULL: every key is seen); keys
- * before `open` are seen by every query. Returns 0, or -1 when scratch memory could not be had. */
-int q4_attention(int isa, int threads, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, int64_t length,
-                 const uint16_t *q, int64_t ldq, const uint16_t *k, const uint16_t *v, int64_t capacity,
-                 const uint16_t *mask, int64_t open, float scale, uint16_t *out) {
-  int64_t group = heads / kv_heads, queries = t * group, blocks = (queries + LANES - 1) / LANES;
-  int failed = 0;
-  open = mask ? (open < length ? open : length) : length;
-#pragma omp parallel num_threads(threads) if (t * heads * length >= 1024)
-  {
-    float *work = malloc(sizeof(float) * (size_t)(length * LANES + d * LANES + d));
-    if (!work) {
-#pragma omp atomic write
-      failed = 1;
-    }
-#pragma omp for schedule(static) collapse(2)
-    for (int64_t g = 0; g < kv_heads; g++)
-      for (int64_t b = 0; b < blocks; b++) {
-        if (!work) continue;
-        const uint16_t *qs[LANES], *ms[LANES];
-        uint16_t *os[LANES];
-        int64_t lanes = queries - b * LANES < LANES ? queries - b * LANES : LANES;
-        for (int64_t l = 0; l < LANES; l++) { /* query (row r, head g·group + h) */
-          int64_t r = (b * LANES + l) / group, h = g * group + (b * LANES + l) % group;
-          qs[l] = l < lanes ? q + r * ldq + h * d : 0;
-          ms[l] = l < lanes && mask ? mask + r * length : 0;
-          os[l] = l < lanes ? out + (r * heads + h) * d : 0;
-        }
-        (isa == 2 ? attend512 : attend256)(lanes, d, qs, k + g * capacity * d, v + g * capacity * d, length,
-                                           open, ms, scale, work, os);
-      }
-    free(work);
-  }
-  return failed ? -1 : 0;
-}
-
-/* y = x / √(mean(x²) + ε), rounded to bf16, times w (Llama's RMSNorm), row by row. */
-#define RMSNORM(NAME, TARGET)                                                                                        \
-  TARGET static void NAME(int64_t n, const uint16_t *x, const uint16_t *w, float eps, uint16_t *y) {                \
-    float squares = 0.0f;                                                                                            \
-    _Pragma("omp simd reduction(+ : squares)") for (int64_t i = 0; i < n; i++) squares += bf(x[i]) * bf(x[i]);      \
-    float inv = 1.0f / __builtin_sqrtf(squares / (float)n + eps);                                                    \
-    for (int64_t i = 0; i < n; i++) y[i] = float_to_bf16(bf(float_to_bf16(bf(x[i]) * inv)) * bf(w[i]));             \
-  }
-
-RMSNORM(rmsnorm512, T512)
-RMSNORM(rmsnorm256, T256)
-
-void q4_rmsnorm(int isa, int64_t rows, int64_t n, const uint16_t *x, int64_t ldx, const uint16_t *w, float eps,
-                uint16_t *y) {
-  for (int64_t r = 0; r < rows; r++) (isa == 2 ? rmsnorm512 : rmsnorm256)(n, x + r * ldx, w, eps, y + r * n);
-}
