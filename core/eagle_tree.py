@@ -49,7 +49,9 @@ class LeanDraft:
 
     def __init__(self, draft: EagleDraft, dtype: torch.dtype) -> None:
         device = draft.fc.weight.device
-        kernel = "onednn" if device.type == "cpu" and fast.kernel_works("onednn", dtype) else "dense"
+        kernel = next(
+            (k for k in ("q8", "onednn") if device.type == "cpu" and fast.kernel_works(k, dtype)), "dense"
+        )  # q8: the library runs the whole layer in one call (fast.run_native)
         config = draft.layer.self_attn.config
         layer = type(draft.layer)(config, 0)  # a copy to pack: the draft itself stays as it is
         layer.input_layernorm = copy.deepcopy(draft.layer.input_layernorm)
@@ -58,6 +60,7 @@ class LeanDraft:
         fast.pack_layer(layer, kernel)
         self.fc = fast.PackedLinear(draft.fc.weight.to(dtype), draft.fc.bias.to(dtype), kernel)
         self.layer = fast.LeanLayer(layer, config, 0)
+        self.native = fast.native_decoder([layer], config, [self.layer])
         self.rope = fast.Rope(draft.rotary, self.layer.head_dim, dtype)
         self.norm = fast._norm(copy.deepcopy(draft.norm).to(device=device, dtype=dtype))
         self.readout = fast.PackedLinear(draft.readout_weight.to(dtype), None, kernel)
@@ -77,7 +80,10 @@ class LeanDraft:
         causal = mask is None and t > 1
         if causal and past:
             mask, causal = fast.causal_mask(t, past, self.dtype, self.device), False
-        return self.norm(self.layer(x, self.rope(positions), cache, past, mask, causal))
+        rope = self.rope(positions)
+        if not fast.run_native(self.native, x, rope, past, mask, causal, cache):
+            x = self.layer(x, rope, cache, past, mask, causal)
+        return self.norm(x)
 
     def log_probs(self, predicted: Tensor) -> Tensor:
         return torch.log_softmax(self.readout(predicted).float(), dim=-1)

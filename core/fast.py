@@ -218,12 +218,14 @@ def layer_kernel(model: nn.Module) -> str | None:
 
 
 def describe(model: nn.Module) -> str:
-    """How the model's forward runs, for reports: "lean, int4 layers, onednn lm_head" or "transformers"."""
+    """How the model's forward runs, for reports and the step-cost key: "lean, int4 layers, onednn
+    lm_head", "lean, q4 layers in one call, q8 lm_head" or "transformers"."""
     kernel = layer_kernel(model)
     if kernel is None:
         return "transformers"
     head = getattr(model.get_output_embeddings(), "kernel", "dense")
-    return f"lean, {kernel} layers, {head} lm_head{' by node' if row_head(model) else ''}"
+    whole = " in one call" if forward_of(model).native is not None else ""
+    return f"lean, {kernel} layers{whole}, {head} lm_head{' by node' if row_head(model) else ''}"
 
 
 class StaticKV:
@@ -313,7 +315,7 @@ class LeanLayer:
         cache.values[i, :, past:end] = qkv[:, self.q_size + self.kv_size :].view(t, kv, d).transpose(0, 1)
         if self.ops is not None and not causal and t <= self.ops.MAX_ROWS and (mask is None or mask.dtype == qk.dtype):
             seen = None if mask is None else mask[0, 0].contiguous()
-            a = self.ops.attention(qk[:, :heads], cache.keys[i], cache.values[i], end, seen, past)
+            a = self.ops.attention(qk[:, :heads], cache.keys[i], cache.values[i], end, seen)
         else:
             a = (
                 F.scaled_dot_product_attention(
@@ -354,7 +356,7 @@ class FastForward:
         self.rope = Rope(base.rotary_emb, self.head_dim, self.dtype)
         self.final_norm = _norm(base.norm, q4.ops(self.dtype))
         self.row_head = False  # a tree's logits a node at a time (set by `accelerate`, measured)
-        self.native = _decoder(base.layers, config, self.layers)  # every layer in one call, or None
+        self.native = native_decoder(base.layers, config, self.layers)  # every layer in one call, or None
 
     def new_cache(self) -> StaticKV:
         return StaticKV(len(self.layers), self.kv_heads, self.head_dim, self.dtype)
@@ -370,24 +372,34 @@ class FastForward:
         if causal and past:  # a causal block after a prefix: build the mask (prefill on top of a cache)
             mask, causal = causal_mask(t, past, self.dtype), False
         rope = self.rope(positions)
-        x = self.embed(ids)
-        if self.native is not None and not causal and t <= q4.Ops.MAX_ROWS and (mask is None or mask.dtype == x.dtype):
-            x = x.contiguous()
-            cos, sin = (r.reshape(t, -1).contiguous() for r in rope)
-            seen = None if mask is None else mask[0, 0].contiguous()
-            self.native(x, cos, sin, past, seen, cache.keys, cache.values)
-        else:
+        x = self.embed(ids).contiguous()
+        if not run_native(self.native, x, rope, past, mask, causal, cache):
             for layer in self.layers:
                 x = layer(x, rope, cache, past, mask, causal)
         cache.length = past + t
         return self.final_norm(x)
 
 
-def _decoder(layers: nn.ModuleList, config, lean: list[LeanLayer]) -> q4.Decoder | None:
-    """The library's whole-layer decoder where every layer runs on the q4 kernel with its ops."""
+def run_native(decoder: q4.Decoder | None, x: Tensor, rope, past: int, mask, causal: bool, cache: StaticKV) -> bool:
+    """Run the decoder layers in the library (x updated in place) where it takes this step:
+    up to `q4.Ops.MAX_ROWS` rows, not a causal block (a prompt's prefill). False: it did not."""
+    t = x.shape[0]
+    if decoder is None or causal or t > q4.Ops.MAX_ROWS or (mask is not None and mask.dtype != x.dtype):
+        return False
+    cos, sin = (r.reshape(t, -1).contiguous() for r in rope)
+    seen = None if mask is None else mask[0, 0].contiguous()
+    decoder(x, cos, sin, past, seen, cache.keys, cache.values)
+    return True
+
+
+def native_decoder(layers: nn.ModuleList, config, lean: list[LeanLayer]) -> q4.Decoder | None:
+    """The library's whole-layer decoder where every layer has both norms and runs on its 4- or
+    8-bit kernel with its ops (else None)."""
     if not lean or any(
-        layer.ops is None or any(p.kernel != "q4" for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
-        for layer in lean
+        layer.ops is None
+        or any(isinstance(n, nn.Identity) for n in (m.input_layernorm, m.post_attention_layernorm))
+        or any(p.kernel not in ("q4", "q8") for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+        for m, layer in zip(layers, lean, strict=True)
     ):
         return None
     first = layers[0].input_layernorm

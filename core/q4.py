@@ -140,7 +140,7 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.q4_run.argtypes += [ctypes.c_int64, ctypes.c_void_p]
     lib.q4_run.restype = ctypes.c_int
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.q4_attention.argtypes = [ctypes.c_int, ctypes.c_int, i64, i64, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, i64]
+    lib.q4_attention.argtypes = [ctypes.c_int, ctypes.c_int, i64, i64, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr]
     lib.q4_attention.argtypes += [ctypes.c_float, ptr]
     lib.q4_attention.restype = ctypes.c_int
     lib.q4_rmsnorm.argtypes = [ctypes.c_int, i64, i64, ptr, i64, ptr, ctypes.c_float, ptr]
@@ -329,19 +329,17 @@ class Ops:
         self.lib.q4_rmsnorm(self.variant, rows, n, x.data_ptr(), x.stride(0), weight.data_ptr(), eps, y.data_ptr())
         return y
 
-    def attention(
-        self, q: Tensor, keys: Tensor, values: Tensor, length: int, mask: Tensor | None, open: int = 0
-    ) -> Tensor:
+    def attention(self, q: Tensor, keys: Tensor, values: Tensor, length: int, mask: Tensor | None) -> Tensor:
         """q (t, heads, d) with contiguous heads, keys and values (kv heads, capacity, d), of which
         the first `length` are used; mask (t, length) bf16, 0 where a key is seen, or None (all
-        seen); every query sees the keys before `open` (the cached prefix) → (t, heads · d)."""
+        seen) → (t, heads · d)."""
         t, heads, d = q.shape
         kv, capacity = keys.shape[0], keys.shape[1]
         out = torch.empty(t, heads * d, dtype=torch.bfloat16)
         code = self.lib.q4_attention(
             self.variant, torch.get_num_threads(), t, heads, kv, d, length, q.data_ptr(), q.stride(0),
-            keys.data_ptr(), values.data_ptr(), capacity, None if mask is None else mask.data_ptr(), open,
-            d**-0.5, out.data_ptr(),
+            keys.data_ptr(), values.data_ptr(), capacity, None if mask is None else mask.data_ptr(), d**-0.5,
+            out.data_ptr(),
         )  # fmt: skip
         if code:
             raise MemoryError("the attention kernel could not allocate its scratch memory")

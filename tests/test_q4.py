@@ -168,7 +168,7 @@ def test_attention_matches_torch_and_a_tree_node_equals_a_one_token_step(variant
     keys = torch.randn(kv, 64, d, generator=gen).to(torch.bfloat16)
     values = torch.randn(kv, 64, d, generator=gen).to(torch.bfloat16)
     q = torch.randn(t, heads, d, generator=gen).to(torch.bfloat16)
-    got = ops.attention(q, keys, values, length, mask, past).view(t, heads, d)
+    got = ops.attention(q, keys, values, length, mask).view(t, heads, d)
     want = torch.nn.functional.scaled_dot_product_attention(
         q.float().transpose(0, 1)[None], keys[:, :length].float()[None], values[:, :length].float()[None],
         attn_mask=mask.float()[None, None], enable_gqa=True,

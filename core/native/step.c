@@ -108,13 +108,13 @@ ATTEND(attend256, T256)
 /* out (t × heads × d) for queries q (t × heads × d, row stride ldq) against keys and values
  * (kv_heads × capacity × d, the first `length` used); query head h reads kv head h / (heads /
  * kv_heads). mask: t × length bf16, 0 where a query sees a key (NULL: every key is seen); keys
- * before `open` are seen by every query. Returns 0, or -1 when scratch memory could not be had. */
-int q4_attention(int isa, int threads, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, int64_t length,
-                 const uint16_t *q, int64_t ldq, const uint16_t *k, const uint16_t *v, int64_t capacity,
-                 const uint16_t *mask, int64_t open, float scale, uint16_t *out) {
+ * before `open` are seen by every query (q4_attention finds it). Returns 0, or -1 when scratch
+ * memory could not be had. */
+static int attention(int isa, int threads, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, int64_t length,
+                     const uint16_t *q, int64_t ldq, const uint16_t *k, const uint16_t *v, int64_t capacity,
+                     const uint16_t *mask, int64_t open, float scale, uint16_t *out) {
   int64_t group = heads / kv_heads, queries = t * group, blocks = (queries + LANES - 1) / LANES;
   int failed = 0;
-  open = mask ? (open < length ? open : length) : length;
 #pragma omp parallel num_threads(threads) if (t * heads * length >= 1024)
   {
     float *work = malloc(sizeof(float) * (size_t)(length * LANES + d * LANES + d));
@@ -141,6 +141,22 @@ int q4_attention(int isa, int threads, int64_t t, int64_t heads, int64_t kv_head
     free(work);
   }
   return failed ? -1 : 0;
+}
+
+/* The first key some query does not see (length when every query sees every key). */
+static int64_t first_hidden(const uint16_t *mask, int64_t t, int64_t length) {
+  if (!mask) return length;
+  for (int64_t j = 0; j < length; j++)
+    for (int64_t r = 0; r < t; r++)
+      if ((mask[r * length + j] & 0x7fff) != 0) return j;
+  return length;
+}
+
+int q4_attention(int isa, int threads, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, int64_t length,
+                 const uint16_t *q, int64_t ldq, const uint16_t *k, const uint16_t *v, int64_t capacity,
+                 const uint16_t *mask, float scale, uint16_t *out) {
+  return attention(isa, threads, t, heads, kv_heads, d, length, q, ldq, k, v, capacity, mask,
+                   first_hidden(mask, t, length), scale, out);
 }
 
 /* y = x / √(mean(x²) + ε), rounded to bf16, times w (Llama's RMSNorm), row by row. */
@@ -217,6 +233,7 @@ int q4_decode(const q4_model *model, int isa, int threads, int64_t t, uint16_t *
   if (!h) return -1;
   uint16_t *qkv = h + t * hidden, *a = qkv + t * width, *o = a + t * q, *gu = o + t * hidden, *m = gu + t * 2 * inner;
   int code = 0;
+  int64_t open = first_hidden(mask, t, length);
   for (int64_t layer = 0; layer < model->layers && !code; layer++) {
     const q4_block *b = model->blocks + layer;
     uint16_t *kl = keys + layer * kv * capacity * d, *vl = values + layer * kv * capacity * d;
@@ -230,8 +247,8 @@ int q4_decode(const q4_model *model, int isa, int threads, int64_t t, uint16_t *
         memcpy(vl + (g * capacity + past + r) * d, row + q + (kv + g) * d, sizeof(uint16_t) * (size_t)d);
       }
     }
-    code |= q4_attention(isa, threads, t, heads, kv, d, length, qkv, width, kl, vl, capacity, mask, past,
-                         1.0f / sqrtf((float)d), a);
+    code |= attention(isa, threads, t, heads, kv, d, length, qkv, width, kl, vl, capacity, mask, open,
+                      1.0f / sqrtf((float)d), a);
     code |= q4_run(b->o, isa, threads, t, a, q, o);
     (isa == 2 ? e512_add : e256_add)(t * hidden, x, o);
     q4_rmsnorm(isa, t, hidden, x, hidden, b->norm2, model->eps, h);
