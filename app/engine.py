@@ -179,8 +179,8 @@ class Engine:
         heads = "trained heads" if self.loaded.trained else "untrained heads (few drafts accepted)"
         heads += " · EAGLE drafter" if self.loaded.eagle is not None else ""
         dtype = str(b.model.dtype).removeprefix("torch.")
-        # a many-token verify forward rounds differently from a one-token one below float32
-        exact = "" if b.model.dtype == torch.float32 else f" · lossless is exact up to {dtype} rounding"
+        # below float32, torch's many-token verify forward rounds differently from a one-token one
+        exact = "" if fast.rows_alike(b.model) else f" · lossless is exact up to {dtype} rounding"
         precision = f"4-bit weights, {dtype}" if fast.layer_kernel(b.model) in ("int4", "q4") else dtype
         return f"**Ready:** {self.model_id} · {precision} on {b.model.device.type} · {heads}{exact}"
 

@@ -217,6 +217,13 @@ def layer_kernel(model: nn.Module) -> str | None:
     return forward.layers[0].qkv.kernel if forward is not None and forward.layers else None
 
 
+def rows_alike(model: nn.Module) -> bool:
+    """Whether a tree's verify forward gives every node the bits a one-token step would: in fp32,
+    and wherever the library's decoder runs the layers (its rows are computed alone)."""
+    forward = forward_of(model)
+    return model.dtype == torch.float32 or (forward is not None and forward.native is not None)
+
+
 def describe(model: nn.Module) -> str:
     """How the model's forward runs, for reports and the step-cost key: "lean, int4 layers, onednn
     lm_head", "lean, q4 layers in one call, q8 lm_head" or "transformers"."""
