@@ -134,8 +134,9 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.q4_version.restype = ctypes.c_int
     if lib.q4_version() != VERSION:
         raise OSError(f"it is version {lib.q4_version()}, not {VERSION}")
-    lib.q4_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    lib.q4_pack.restype = None
+    lib.q4_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    lib.q4_quantize.argtypes += [ctypes.c_void_p] * 3
+    lib.q4_quantize.restype = None
     lib.q4_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p]
     lib.q4_run.argtypes += [ctypes.c_int64, ctypes.c_void_p]
     lib.q4_run.restype = ctypes.c_int
@@ -236,11 +237,6 @@ def quantize8(w: Tensor) -> tuple[Tensor, Tensor]:
     return q.contiguous(), step
 
 
-def _by_tile(x: Tensor, tiles: int, groups: int) -> Tensor:
-    """(N, K/32) per output and group → [t, g, j] = [t·16 + j, g], as the kernel reads them."""
-    return x.view(tiles, TILE, groups).transpose(1, 2).contiguous()
-
-
 class Packed:
     """One weight in the kernel's layout (4 bits: GGUF Q4_1's form; 8 bits: Q8_0's), with the C
     descriptor that points at it. `variant`: the kernel variant that will run it (8-bit weights
@@ -250,22 +246,15 @@ class Packed:
         self, lib: ctypes.CDLL, weight: Tensor, bias: Tensor | None, bits: int = 4, variant: str | None = None
     ) -> None:
         n, k = weight.shape
-        tiles, groups = n // TILE, k // GROUP
         self.lib, self.n, self.bits = lib, n, bits
         self.variant = ISAS[variant or isa()]
-        if bits == 4:
-            q, step, low = quantize(weight)
-            self.w = torch.empty(n * k // 2, dtype=torch.uint8)
-            lib.q4_pack(q.data_ptr(), n, k, self.w.data_ptr())
-            self.m = _by_tile(low, tiles, groups).to(torch.float16)
-        else:  # byte 64u + 4j + i of a tile's group = q[k = 4u + i][j]
-            q, step = quantize8(weight)
-            self.w = q.view(tiles, TILE, groups, 8, 4).permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8)
-            shifted = 128 * q.view(n, groups, GROUP).sum(-1, dtype=torch.int32)  # VNNI's shift, taken back out
-            self.m = _by_tile(
-                shifted if self.variant == ISAS["avx512-vnni"] else torch.zeros_like(shifted), tiles, groups
-            )
-        self.d = _by_tile(step, tiles, groups).to(torch.float16)
+        source = weight.detach().to(torch.bfloat16).contiguous()
+        # quantized and laid out in C, in one pass on every core: what quantize / quantize8 compute
+        self.w = torch.empty(n * k * bits // 8, dtype=torch.uint8)
+        self.d = torch.empty(n * k // GROUP, dtype=torch.float16)
+        self.m = torch.empty(n * k // GROUP, dtype=torch.float16 if bits == 4 else torch.int32)
+        vnni = self.variant == ISAS["avx512-vnni"]
+        lib.q4_quantize(source.data_ptr(), n, k, bits, vnni, self.w.data_ptr(), self.d.data_ptr(), self.m.data_ptr())
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.layer = Layer(n, k, bits, self.w.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), self.bias_ptr())
         self.address = ctypes.addressof(self.layer)
@@ -298,7 +287,9 @@ def _self_test(lib: ctypes.CDLL) -> None:
 
 
 def reference(x: Tensor, weight: Tensor, bias: Tensor | None = None, bits: int = 4) -> Tensor:
-    """What the kernel computes, in float32 torch: int8 activations per group of 32, 4- or 8-bit weights."""
+    """What the kernel computes, in float32 torch: int8 activations per group of 32, 4- or 8-bit
+    weights (quantized from their bf16 values, as `Packed` takes them)."""
+    weight = weight.to(torch.bfloat16)
     if bits == 4:
         q, step, low = quantize(weight)
     else:

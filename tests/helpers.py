@@ -6,17 +6,39 @@ import itertools
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+import pytest
 import torch
 from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from core import fast
+from core import fast, q4
 from core.generate import collect, stream
 from core.settings import DecodeSettings
 from core.step import Draft
 from core.tree import TreeBuffers
 
 BASE_ARCHS = ("llama", "qwen2")
+
+
+def library_builds() -> bool:
+    """Whether this machine can build core.q4's library (a C compiler, AVX2). Where it can, a
+    kernel of the library that does not work fails tests instead of skipping them."""
+    try:
+        q4._compiler()
+    except OSError:
+        return False
+    return q4.isa() is not None
+
+
+def require_kernel(kernel: str, dtype: torch.dtype) -> None:
+    """Skip where `kernel` cannot run in `dtype` on this machine; fail where it should run."""
+    if fast.kernel_works(kernel, dtype):
+        return
+    if kernel in ("q4", "q8") and library_builds():
+        pytest.fail(f"the {kernel} kernel should run here: {q4.unavailable()}")
+    pytest.skip(f"{kernel} does not run in {dtype} on this CPU")
+
+
 FAST_KERNELS = tuple(k for k in ("dense", "onednn") if fast.kernel_works(k, torch.float32))
 # "arch+kernel": the model served by core.fast's lean forward with that kernel (fp32)
 ARCHS = (*BASE_ARCHS, *(f"{a}+{k}" for a in BASE_ARCHS for k in FAST_KERNELS))

@@ -14,7 +14,7 @@ from core.settings import DecodeSettings
 from core.step import Draft, RowLogits, prefill, verify
 from core.tree import build_tree, load_tree
 from core.tune import kernels
-from tests.helpers import FAST_KERNELS, OracleDrafter, plain_tokens, three_token_p_value, tiny_model
+from tests.helpers import FAST_KERNELS, OracleDrafter, plain_tokens, require_kernel, three_token_p_value, tiny_model
 from tests.test_engine import random_heads
 
 PROMPT = [1, 17, 33, 5, 60, 2, 41]
@@ -60,8 +60,7 @@ def test_a_prefill_on_top_of_a_cache_is_causal():
 )
 def test_packed_kernels_give_each_row_the_same_result_at_any_row_count(kernel, dtype):
     """What makes a tree forward round exactly like a one-token forward."""
-    if not fast.kernel_works(kernel, dtype):
-        pytest.skip(f"{kernel} does not run in {dtype} on this CPU")
+    require_kernel(kernel, dtype)
     gen = torch.Generator().manual_seed(0)
     layer = fast.PackedLinear((torch.randn(192, 128, generator=gen) * 0.05).to(dtype), None, kernel)
     x = torch.randn(16, 128, generator=gen).to(dtype)
@@ -76,8 +75,7 @@ def test_4_bit_kernels_reproduce_weights_that_were_4_bit_blocks(kernel):
     """Weights made of Q4_1-style blocks (min + step × q, q in 0..15 per 32 inputs) come back
     up to the rounding of each block's step and zero (and, for q4, of the int8 inputs: an
     identity row quantizes exactly)."""
-    if not fast.kernel_works(kernel, torch.bfloat16):
-        pytest.skip(f"no {kernel} kernel here")
+    require_kernel(kernel, torch.bfloat16)
     gen = torch.Generator().manual_seed(1)
     q = torch.randint(0, 16, (64, 128), generator=gen).float()
     q[:, ::32], q[:, 1::32] = 0, 15  # every block spans the whole range, as a quantizer leaves it
@@ -96,8 +94,7 @@ def test_4_bit_kernels_reproduce_weights_that_were_4_bit_blocks(kernel):
 def test_greedy_tree_decoding_equals_plain_greedy_in_4_bits(kernel):
     """Exactness in the same precision: 4-bit weights with bf16 (int4) or int8 (q4) activations,
     tree vs plain."""
-    if not fast.kernel_works(kernel, torch.bfloat16):
-        pytest.skip(f"no {kernel} kernel here")
+    require_kernel(kernel, torch.bfloat16)
     model = tiny_model(f"llama+{kernel}")
     reference = plain_tokens(model, PROMPT, 40)
     drafter = OracleDrafter(PROMPT + reference, load_tree("mc_sim_7b_63")[1], model.config.vocab_size, seed=1)

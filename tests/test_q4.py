@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from core import fast, q4
+from tests.helpers import library_builds
 
 
 @pytest.fixture
@@ -26,10 +27,17 @@ def variants() -> list[str]:
     return [] if best is None else [v for v in q4.ISAS if q4.ISAS[v] <= q4.ISAS[best]]
 
 
-def packed(weight, bias=None, variant=None):
+def loaded():
     lib = q4.library()
     if lib is None:
-        pytest.skip(f"no 4-bit kernel here: {q4.unavailable()}")
+        if library_builds():
+            pytest.fail(f"the kernel library should work here: {q4.unavailable()}")
+        pytest.skip(f"no kernel library here: {q4.unavailable()}")
+    return lib
+
+
+def packed(weight, bias=None, variant=None):
+    lib = loaded()
     layer = q4.Packed(lib, weight, bias)
     if variant:
         layer.variant = q4.ISAS[variant]
@@ -67,8 +75,7 @@ def test_every_row_rounds_alike_at_any_row_count(variant):
 def test_strided_rows_and_other_dtypes_go_through_packed_linear():
     """PackedLinear feeds the kernel contiguous bf16 rows and gives back the input's dtype; a shape
     the kernel does not take (outputs not a multiple of 16) runs as a plain matmul."""
-    if not fast.kernel_works("q4", torch.bfloat16):
-        pytest.skip(f"no 4-bit kernel here: {q4.unavailable()}")
+    loaded()
     gen = torch.Generator().manual_seed(4)
     weight = torch.randn(64, 64, generator=gen) * 0.05
     layer = fast.PackedLinear(weight.to(torch.bfloat16), None, "q4")
@@ -93,8 +100,7 @@ def _launch(cache) -> subprocess.CompletedProcess:
 
 
 def test_damaged_cached_library_is_deleted_and_rebuilt(fresh):
-    if q4.library() is None:
-        pytest.skip(f"no 4-bit kernel here: {q4.unavailable()}")
+    loaded()
     path = _only_artifact(fresh)
     truncated = path.read_bytes()[:4000]
     path.unlink()  # a new file: this process keeps the old one mapped
@@ -109,8 +115,7 @@ def test_damaged_cached_library_is_deleted_and_rebuilt(fresh):
 
 def test_stale_cached_library_is_rebuilt(fresh):
     """A library of another version of the kernel under the same name (a stale build)."""
-    if q4.library() is None:
-        pytest.skip(f"no 4-bit kernel here: {q4.unavailable()}")
+    loaded()
     path = _only_artifact(fresh)
     source = fresh / "old.c"
     source.write_text("int q4_version(void) { return 0; }\n")
@@ -141,9 +146,8 @@ def test_without_a_compiler_the_reason_is_given_and_torch_int4_stays(fresh, monk
 def ops_or_skip(variant: str) -> q4.Ops:
     if variant not in variants():
         pytest.skip(f"this CPU does not run the {variant} variant")
+    loaded()
     ops = q4.ops(torch.bfloat16)
-    if ops is None:
-        pytest.skip(f"no kernel library here: {q4.unavailable()}")
     ops.variant = q4.ISAS[variant]
     return ops
 
@@ -192,3 +196,22 @@ def test_rms_norm_matches_llama(variant):
     want = weight * hidden.to(torch.bfloat16)
     assert (got.float() - want.float()).abs().max() <= 2 * 2**-8 * want.float().abs().max()
     assert torch.equal(ops.rms_norm(x[2:3], weight, 1e-5), got[2:3])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_weights_are_quantized_in_c_as_in_torch(bits):
+    """The library's one-pass quantizer gives quantize's (or quantize8's) steps and minimums."""
+    gen = torch.Generator().manual_seed(7)
+    weight = (torch.randn(48, 96, generator=gen) * 0.05).to(torch.bfloat16)
+    layer = q4.Packed(loaded(), weight, None, bits=bits)
+    tiles, groups = 48 // q4.TILE, 96 // q4.GROUP
+
+    def by_tile(x):
+        return x.view(tiles, q4.TILE, groups).transpose(1, 2).flatten()
+
+    if bits == 4:
+        _, step, low = q4.quantize(weight)
+        assert torch.equal(layer.m, by_tile(low).half())
+    else:
+        _, step = q4.quantize8(weight)
+    assert torch.equal(layer.d, by_tile(step).half())

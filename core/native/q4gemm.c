@@ -13,7 +13,7 @@
  * Every row is computed alone, in the same order whatever M is: a tree's rows equal one-row
  * products bit for bit.
  *
- * Weight layout (`q4_pack`): tiles of 16 outputs; per tile, per group, 256 bytes: byte
+ * Weight layout (`q4_quantize`): tiles of 16 outputs; per tile, per group, 256 bytes: byte
  * 64h + 4j + i holds q[k = 8h + i][j] in its low nibble and q[k = 8h + 4 + i][j] in its high
  * nibble (h < 4, output j < 16, i < 4). Scales d and offsets m are float, per tile, group and
  * output, as float16: d[(t·G + g)·16 + j].
@@ -22,19 +22,54 @@
 
 int q4_version(void) { return 3; }
 
-/* q (N×K, values 0..15, one per byte) → the packed layout above, N % 16 == 0, K % 32 == 0. */
-void q4_pack(const uint8_t *q, int64_t n, int64_t k, uint8_t *out) {
+/* bf16 weights (N×K, N % 16 == 0, K % 32 == 0) → the kernel's layout in one pass, as core/q4.py's
+ * quantize (4 bits: step = (max − min)/15 and q = round((w − min)/step) per group, d and m float16
+ * step and min) or quantize8 (8 bits: step = max|w|/127, q = round(w/step); m: 128·Σq per group
+ * where `vnni`, else 0). */
+__attribute__((target("f16c"))) void q4_quantize(const uint16_t *w, int64_t n, int64_t k, int bits, int vnni,
+                                                 uint8_t *out, uint16_t *d, void *m) {
   int64_t groups = k / GROUP;
-  for (int64_t t = 0; t < n / TILE; t++)
+#pragma omp parallel for schedule(static)
+  for (int64_t row = 0; row < n; row++) {
+    int64_t t = row / TILE, j = row % TILE;
     for (int64_t g = 0; g < groups; g++) {
-      uint8_t *o = out + (t * groups + g) * TILE_BYTES;
-      for (int h = 0; h < 4; h++)
-        for (int j = 0; j < TILE; j++)
+      float v[GROUP], low = INFINITY, high = -INFINITY, top = 0.0f;
+      for (int i = 0; i < GROUP; i++) {
+        v[i] = bf16_to_float(w[row * k + g * GROUP + i]);
+        low = v[i] < low ? v[i] : low;
+        high = v[i] > high ? v[i] : high;
+        top = fabsf(v[i]) > top ? fabsf(v[i]) : top;
+      }
+      int64_t at = (t * groups + g) * TILE + j;
+      if (bits == 4) {
+        float step = (high - low) / 15.0f;
+        step = step < 1e-12f ? 1e-12f : step;
+        uint8_t *o = out + (t * groups + g) * TILE_BYTES;
+        for (int h = 0; h < 4; h++)
           for (int i = 0; i < 4; i++) {
-            const uint8_t *row = q + (t * TILE + j) * k + g * GROUP;
-            o[64 * h + 4 * j + i] = (uint8_t)((row[8 * h + i] & 15) | ((row[8 * h + 4 + i] & 15) << 4));
+            float a = nearbyintf((v[8 * h + i] - low) / step), b = nearbyintf((v[8 * h + 4 + i] - low) / step);
+            int qa = a < 0 ? 0 : a > 15 ? 15 : (int)a, qb = b < 0 ? 0 : b > 15 ? 15 : (int)b;
+            o[64 * h + 4 * j + i] = (uint8_t)(qa | (qb << 4));
           }
+        d[at] = _cvtss_sh(step, 0);
+        ((uint16_t *)m)[at] = _cvtss_sh(low, 0);
+      } else {
+        float step = top / 127.0f;
+        step = step < 1e-12f ? 1e-12f : step;
+        int8_t *o = (int8_t *)out + (t * groups + g) * 512;
+        int32_t sum = 0;
+        for (int u = 0; u < 8; u++)
+          for (int i = 0; i < 4; i++) {
+            float a = nearbyintf(v[4 * u + i] / step);
+            int q = a < -127 ? -127 : a > 127 ? 127 : (int)a;
+            o[64 * u + 4 * j + i] = (int8_t)q;
+            sum += q;
+          }
+        d[at] = _cvtss_sh(step, 0);
+        ((int32_t *)m)[at] = vnni ? 128 * sum : 0;
+      }
     }
+  }
 }
 
 /* ---------------------------------------------------------------- AVX-512 VNNI */
