@@ -7,7 +7,7 @@ from collections import Counter
 import torch
 
 from core.step import NoDrafter
-from core.tune.switch import EVERY, TRIAL, Fastest
+from core.tune.switch import EVERY, MAX_GAP, TRIAL, Fastest
 
 
 class Fake(NoDrafter):
@@ -34,11 +34,13 @@ def run(switch: Fastest, steps: int, speed) -> Counter:
 
 
 def test_the_faster_runs_between_trials_and_every_drafter_sees_every_feature():
+    """Trials at the start, then EVERY steps later; each that keeps the leader doubles the gap."""
     slow, fast = Fake(), Fake()
     switch = Fastest({"slow": slow, "fast": fast})
-    steps = TRIAL + 3 * (EVERY + TRIAL)
+    steps = TRIAL + (EVERY + TRIAL) + (2 * EVERY + TRIAL) + (MAX_GAP + TRIAL) + (MAX_GAP + TRIAL)
     ran = run(switch, steps, lambda name, step: 3 if name == "fast" else 2)
-    assert ran["slow"] == 4 * TRIAL // 2  # only its turns in the trials
+    assert MAX_GAP == 4 * EVERY
+    assert ran["slow"] == 5 * TRIAL // 2  # only its turns in the five trials
     assert slow.fed == fast.fed == steps
     assert slow.observed == ran["slow"] and fast.observed == ran["fast"]
     assert switch.rate("fast") == 300 and switch.rate("slow") == 200
