@@ -122,14 +122,19 @@ T512 static inline void store_bf16_512(uint16_t *y, __m512 v) {
       }                                                                                                              \
       for (int64_t r = 0; r < rows; r++) {                                                                           \
         const int8_t *pr = p + r * k + g * GROUP;                                                                    \
-        __m512i dot[TILES];                                                                                          \
-        for (int t = 0; t < TILES; t++) dot[t] = _mm512_setzero_si512();                                           \
-        _Pragma("GCC unroll 8") for (int q = 0; q < 8; q++) {                                                       \
-          int32_t quad;                                                                                              \
-          memcpy(&quad, pr + 4 * q, 4);                                                                              \
-          __m512i a = _mm512_set1_epi32(quad);                                                                       \
-          for (int t = 0; t < TILES; t++) dot[t] = _mm512_dpbusd_epi32(dot[t], b[t][q], a);                          \
+        __m512i dot[TILES], odd[TILES]; /* two chains a tile (integer sums: the order does not matter) */          \
+        for (int t = 0; t < TILES; t++) dot[t] = odd[t] = _mm512_setzero_si512();                                   \
+        _Pragma("GCC unroll 4") for (int q = 0; q < 8; q += 2) {                                                    \
+          int32_t q0, q1;                                                                                            \
+          memcpy(&q0, pr + 4 * q, 4);                                                                                \
+          memcpy(&q1, pr + 4 * q + 4, 4);                                                                            \
+          __m512i a0 = _mm512_set1_epi32(q0), a1 = _mm512_set1_epi32(q1);                                            \
+          for (int t = 0; t < TILES; t++) {                                                                          \
+            dot[t] = _mm512_dpbusd_epi32(dot[t], b[t][q], a0);                                                       \
+            odd[t] = _mm512_dpbusd_epi32(odd[t], b[t][q + 1], a1);                                                   \
+          }                                                                                                          \
         }                                                                                                            \
+        for (int t = 0; t < TILES; t++) dot[t] = _mm512_add_epi32(dot[t], odd[t]);                                  \
         __m512 es = _mm512_set1_ps(e[r * groups + g]), ss = _mm512_set1_ps(s[r * groups + g]);                      \
         for (int t = 0; t < TILES; t++) {                                                                            \
           float *ar = acc + r * 32 + 16 * t;                                                                         \
