@@ -97,6 +97,16 @@ T512 static inline void store_bf16_512(uint16_t *y, __m512 v) {
   _mm256_storeu_si256((void *)y, _mm512_cvtepi32_epi16(rounded));
 }
 
+/* The rows' float sums (rows × 32, `tiles` × 16 used) plus the bias, as bf16 outputs. */
+T512 static void store_rows512(int tiles, int64_t rows, const float *acc, const float *bias, uint16_t *y,
+                               int64_t ldy) {
+  for (int t = 0; t < tiles; t++) {
+    __m512 bv = bias ? _mm512_loadu_ps(bias + 16 * t) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; r++)
+      store_bf16_512(y + r * ldy + 16 * t, _mm512_add_ps(_mm512_loadu_ps(acc + r * 32 + 16 * t), bv));
+  }
+}
+
 /* Outputs [0, 16·TILES) of TILES adjacent tiles (1 or 2) for rows [0, rows): each group's weights
  * are unpacked into registers once and used for every row; the rows' float sums wait in `acc`
  * (rows × 32 floats, in L1). */
@@ -143,11 +153,7 @@ T512 static inline void store_bf16_512(uint16_t *y, __m512 v) {
         }                                                                                                            \
       }                                                                                                              \
     }                                                                                                                \
-    for (int t = 0; t < TILES; t++) {                                                                                \
-      __m512 bv = bias ? _mm512_loadu_ps(bias + 16 * t) : _mm512_setzero_ps();                                       \
-      for (int64_t r = 0; r < rows; r++)                                                                             \
-        store_bf16_512(y + r * ldy + 16 * t, _mm512_add_ps(_mm512_loadu_ps(acc + r * 32 + 16 * t), bv));           \
-    }                                                                                                                \
+    store_rows512(TILES, rows, acc, bias, y, ldy);                                                                   \
   }
 
 PAIR512(1)
@@ -359,11 +365,7 @@ static const tile_fn tiles256[ROWS256 + 1] = {0, tile256_1, tile256_2, tile256_3
         }                                                                                                            \
       }                                                                                                              \
     }                                                                                                                \
-    for (int t = 0; t < TILES; t++) {                                                                                \
-      __m512 bv = bias ? _mm512_loadu_ps(bias + 16 * t) : _mm512_setzero_ps();                                       \
-      for (int64_t r = 0; r < rows; r++)                                                                             \
-        store_bf16_512(y + r * ldy + 16 * t, _mm512_add_ps(_mm512_loadu_ps(acc + r * 32 + 16 * t), bv));           \
-    }                                                                                                                \
+    store_rows512(TILES, rows, acc, bias, y, ldy);                                                                   \
   }
 
 PAIR512_8(1)
@@ -406,7 +408,7 @@ TILE256_8(4)
 
 typedef void (*tile8_fn)(const uint8_t *, const uint16_t *, int64_t, const int8_t *, const float *, int64_t,
                          const float *, uint16_t *, int64_t);
-static const tile8_fn tiles256_8[5] = {0, tile256_8_1, tile256_8_2, tile256_8_3, tile256_8_4};
+static const tile8_fn tiles256_8[ROWS256 + 1] = {0, tile256_8_1, tile256_8_2, tile256_8_3, tile256_8_4};
 
 /* ---------------------------------------------------------------- entry */
 
@@ -433,57 +435,41 @@ int q4_run(const q4_layer *layer, int isa, int threads, int64_t rows, const uint
     else
       quantize_256(x + r * ldx, k, p + r * k, e + r * groups, s + r * groups);
   }
-  if (layer->bits == 8) {
-    const int32_t *c = (const int32_t *)layer->m;
-    if (isa == 2) {
-      int64_t pairs = (tiles + 1) / 2, chunks = (rows + CHUNK - 1) / CHUNK;
-#pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
-      for (int64_t pair = 0; pair < pairs; pair++)
-        for (int64_t ch = 0; ch < chunks; ch++) {
-          float acc[CHUNK * 32];
-          int64_t t = 2 * pair, r0 = ch * CHUNK, count = rows - r0 < CHUNK ? rows - r0 : CHUNK;
-          (t + 1 < tiles ? pair512_8_2 : pair512_8_1)(w + t * groups * TILE_BYTES8, d + t * groups * TILE,
-                                                      c + t * groups * TILE, groups, p + r0 * k, e + r0 * groups, k,
-                                                      count, bias ? bias + t * TILE : 0, y + r0 * n + t * TILE, n,
-                                                      acc);
-        }
-    } else {
-      int64_t passes = (rows + 3) / 4;
-#pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
-      for (int64_t t = 0; t < tiles; t++)
-        for (int64_t pass = 0; pass < passes; pass++) {
-          int64_t r0 = pass * 4, count = rows - r0 < 4 ? rows - r0 : 4;
-          tiles256_8[count](w + t * groups * TILE_BYTES8, d + t * groups * TILE, groups, p + r0 * k, e + r0 * groups,
-                            k, bias ? bias + t * TILE : 0, y + r0 * n + t * TILE, n);
-        }
-    }
-  } else if (isa == 2) {
+  int eight = layer->bits == 8;
+  const int64_t stride = groups * (eight ? TILE_BYTES8 : TILE_BYTES); /* a tile's weight bytes */
+  if (isa == 2) {
     /* tasks: pairs of tiles (the last may be a single tile) × chunks of CHUNK rows */
     int64_t pairs = (tiles + 1) / 2, chunks = (rows + CHUNK - 1) / CHUNK;
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
     for (int64_t pair = 0; pair < pairs; pair++)
       for (int64_t c = 0; c < chunks; c++) {
         float acc[CHUNK * 32];
-        int64_t t = 2 * pair, r0 = c * CHUNK, count = rows - r0 < CHUNK ? rows - r0 : CHUNK;
-        if (t + 1 < tiles && count <= 4)
-          regs512[count](w + t * groups * TILE_BYTES, d + t * groups * TILE, m + t * groups * TILE, groups,
-                         p + r0 * k, e + r0 * groups, s + r0 * groups, k, bias ? bias + t * TILE : 0,
-                         y + r0 * n + t * TILE, n);
+        int64_t t = 2 * pair, r0 = c * CHUNK, count = rows - r0 < CHUNK ? rows - r0 : CHUNK, at = t * groups * TILE;
+        const uint8_t *wt = w + t * stride;
+        const float *bt = bias ? bias + t * TILE : 0;
+        uint16_t *yt = y + r0 * n + t * TILE;
+        int two = t + 1 < tiles;
+        if (eight)
+          (two ? pair512_8_2 : pair512_8_1)(wt, d + at, (const int32_t *)m + at, groups, p + r0 * k, e + r0 * groups,
+                                            k, count, bt, yt, n, acc);
+        else if (two && count <= 4)
+          regs512[count](wt, d + at, m + at, groups, p + r0 * k, e + r0 * groups, s + r0 * groups, k, bt, yt, n);
         else
-          (t + 1 < tiles ? pair512_2 : pair512_1)(w + t * groups * TILE_BYTES, d + t * groups * TILE,
-                                                m + t * groups * TILE, groups, p + r0 * k, e + r0 * groups,
-                                                s + r0 * groups, k, count, bias ? bias + t * TILE : 0,
-                                                y + r0 * n + t * TILE, n, acc);
+          (two ? pair512_2 : pair512_1)(wt, d + at, m + at, groups, p + r0 * k, e + r0 * groups, s + r0 * groups, k,
+                                        count, bt, yt, n, acc);
       }
   } else {
     int64_t passes = (rows + ROWS256 - 1) / ROWS256;
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
     for (int64_t t = 0; t < tiles; t++)
       for (int64_t pass = 0; pass < passes; pass++) {
-        int64_t r0 = pass * ROWS256, count = rows - r0 < ROWS256 ? rows - r0 : ROWS256;
-        tiles256[count](w + t * groups * TILE_BYTES, d + t * groups * TILE, m + t * groups * TILE, groups,
-                        p + r0 * k, e + r0 * groups, s + r0 * groups, k, bias ? bias + t * TILE : 0,
-                        y + r0 * n + t * TILE, n);
+        int64_t r0 = pass * ROWS256, count = rows - r0 < ROWS256 ? rows - r0 : ROWS256, at = t * groups * TILE;
+        const float *bt = bias ? bias + t * TILE : 0;
+        if (eight)
+          tiles256_8[count](w + t * stride, d + at, groups, p + r0 * k, e + r0 * groups, k, bt, y + r0 * n + t * TILE, n);
+        else
+          tiles256[count](w + t * stride, d + at, m + at, groups, p + r0 * k, e + r0 * groups, s + r0 * groups, k, bt,
+                          y + r0 * n + t * TILE, n);
       }
   }
   free(p);
