@@ -320,7 +320,13 @@ class LeanLayer:
         qk = _rotate(qkv[:, : self.q_size + self.kv_size].view(t, heads + kv, d), *rope)
         cache.keys[i, :, past:end] = qk[:, heads:].transpose(0, 1)
         cache.values[i, :, past:end] = qkv[:, self.q_size + self.kv_size :].view(t, kv, d).transpose(0, 1)
-        if self.ops is not None and not causal and t <= self.ops.MAX_ROWS and (mask is None or mask.dtype == qk.dtype):
+        if (
+            self.ops is not None
+            and not causal
+            and t <= self.ops.MAX_ROWS
+            and self.ops.attends(d)
+            and (mask is None or mask.dtype == qk.dtype)
+        ):
             seen = None if mask is None else mask[0, 0].contiguous()
             a = self.ops.attention(qk[:, :heads], cache.keys[i], cache.values[i], end, seen)
         else:
@@ -404,6 +410,7 @@ def native_decoder(layers: nn.ModuleList, config, lean: list[LeanLayer]) -> q4.D
     8-bit kernel with its ops (else None)."""
     if not lean or any(
         layer.ops is None
+        or not layer.ops.attends(layer.head_dim)
         or any(isinstance(n, nn.Identity) for n in (m.input_layernorm, m.post_attention_layernorm))
         or any(p.kernel not in ("q4", "q8") for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
         for m, layer in zip(layers, lean, strict=True)

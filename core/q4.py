@@ -32,10 +32,11 @@ from torch import Tensor
 
 NATIVE = Path(__file__).parent / "native"
 SOURCES = (NATIVE / "q4gemm.c", NATIVE / "step.c")  # compiled together, with common.h
-VERSION = 3  # q4_version() of the source above
+VERSION = 4  # q4_version() of the source above
 GROUP, TILE = 32, 16  # inputs per scale (GGUF Q4_1's block), outputs per tile
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
 ISAS = {"avx512-vnni": 2, "avx2": 1}  # the kernel variants, as q4_gemm numbers them
+HEAD_STEP, MAX_HEAD = 16, 512  # the head sizes the attention kernel takes (step.c)
 
 _lock = threading.Lock()
 _state: dict = {}  # "lib": the loaded CDLL or None, "why": the reason it is None
@@ -320,6 +321,11 @@ class Ops:
         self.lib.q4_rmsnorm(self.variant, rows, n, x.data_ptr(), x.stride(0), weight.data_ptr(), eps, y.data_ptr())
         return y
 
+    @staticmethod
+    def attends(head_dim: int) -> bool:
+        """Whether the attention kernel takes heads of this size."""
+        return head_dim % HEAD_STEP == 0 and head_dim <= MAX_HEAD
+
     def attention(self, q: Tensor, keys: Tensor, values: Tensor, length: int, mask: Tensor | None) -> Tensor:
         """q (t, heads, d) with contiguous heads, keys and values (kv heads, capacity, d), of which
         the first `length` are used; mask (t, length) bf16, 0 where a key is seen, or None (all
@@ -332,9 +338,16 @@ class Ops:
             keys.data_ptr(), values.data_ptr(), capacity, None if mask is None else mask.data_ptr(), d**-0.5,
             out.data_ptr(),
         )  # fmt: skip
-        if code:
-            raise MemoryError("the attention kernel could not allocate its scratch memory")
+        _raise_for(code, d)
         return out
+
+
+def _raise_for(code: int, head_dim: int) -> None:
+    """The exception a step kernel's return code stands for (0: none)."""
+    if code == -2:
+        raise ValueError(f"the attention kernel does not take heads of size {head_dim} (multiples of {HEAD_STEP})")
+    if code:
+        raise MemoryError("the step kernel could not allocate its scratch memory")
 
 
 def ops(dtype: torch.dtype) -> Ops | None:
@@ -385,5 +398,4 @@ class Decoder:
             sin.data_ptr(), past, None if mask is None else mask.data_ptr(), keys.data_ptr(), values.data_ptr(),
             keys.shape[2],
         )  # fmt: skip
-        if code:
-            raise MemoryError("the decoder kernel could not allocate its scratch memory")
+        _raise_for(code, self.model.head_dim)

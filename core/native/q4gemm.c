@@ -20,7 +20,7 @@
  */
 #include "common.h"
 
-int q4_version(void) { return 3; }
+int q4_version(void) { return 4; }
 
 /* bf16 weights (N×K, N % 16 == 0, K % 32 == 0) → the kernel's layout in one pass, as core/q4.py's
  * quantize (4 bits: step = (max − min)/15 and q = round((w − min)/step) per group, d and m float16

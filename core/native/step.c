@@ -25,85 +25,206 @@ static inline float exp_neg(float x) { /* e^x for x <= 0, to about 2 ulp (0 belo
 
 static inline float bf(uint16_t b) { return bf16_to_float(b); }
 
-/* Attention of up to LANES queries that share a kv head (query l is lane l), against keys and
- * values [0, length): every lane sums over d and over the keys in the same order whatever the
- * other lanes hold, and a key a query does not see adds an exact 0, so a tree's node and a
+/* The two hot loops of attention in explicit vectors, for head sizes the vector width divides.
+ * scores: s[m·padded + jj] = q_m · key jj for the KEYS keys of a block (rows of `block`), each
+ * dot product as one vector of partial sums that a butterfly over the block's keys then adds up:
+ * every key's lanes are added in the same pattern whatever its slot. values: acc_m += p_m[jj] ·
+ * value jj and total_m += p_m[jj], key after key. */
+#define ALWAYS static inline __attribute__((always_inline))
+
+T512 ALWAYS void scores512_d(int64_t n, int64_t D, const float *qf, const float *block, float *s, int64_t padded) {
+  static const int order[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+  const __m512i back = _mm512_loadu_si512(order);
+  int64_t d = 16 * D;
+  for (int64_t m = 0; m < n; m++) {
+    __m512 r[16], w[8];
+    const float *qm = qf + m * d;
+    for (int jj = 0; jj < 16; jj++) {
+      const float *kj = block + jj * d;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qm), _mm512_loadu_ps(kj));
+      for (int64_t c = 1; c < D; c++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qm + 16 * c), _mm512_loadu_ps(kj + 16 * c), acc);
+      r[jj] = acc;
+    }
+    for (int i = 0; i < 8; i++)
+      w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r[i], r[i + 8], 0x44), _mm512_shuffle_f32x4(r[i], r[i + 8], 0xEE));
+    for (int i = 0; i < 4; i++)
+      w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88), _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD));
+    for (int i = 0; i < 2; i++)
+      w[i] = _mm512_add_ps(_mm512_shuffle_ps(w[i], w[i + 2], 0x44), _mm512_shuffle_ps(w[i], w[i + 2], 0xEE));
+    __m512 z = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+    _mm512_storeu_ps(s + m * padded, _mm512_permutexvar_ps(back, z));
+  }
+}
+
+T512 static void scores512(int64_t n, int64_t d, const float *qf, const float *block, float *s, int64_t padded) {
+  if (d == 64)
+    scores512_d(n, 4, qf, block, s, padded);
+  else if (d == 128)
+    scores512_d(n, 8, qf, block, s, padded);
+  else
+    scores512_d(n, d / 16, qf, block, s, padded);
+}
+
+T512 ALWAYS void values512_d(int64_t n, int64_t D, int64_t stop, const float *p, int64_t padded, const float *block,
+                             float *acc, float *total) {
+  int64_t d = 16 * D;
+  for (int64_t m = 0; m < n; m++)
+    for (int64_t c0 = 0; c0 < D; c0 += 8) { /* up to 8 vectors of a row at a time */
+      int64_t width = D - c0 < 8 ? D - c0 : 8;
+      __m512 a[8];
+      const float *pm = p + m * padded;
+      float tm = total[m];
+      for (int64_t c = 0; c < width; c++) a[c] = _mm512_loadu_ps(acc + m * d + 16 * (c0 + c));
+      for (int64_t jj = 0; jj < stop; jj++) {
+        __m512 pj = _mm512_set1_ps(pm[jj]);
+        tm += pm[jj];
+        for (int64_t c = 0; c < width; c++)
+          a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(block + jj * d + 16 * (c0 + c)), a[c]);
+      }
+      for (int64_t c = 0; c < width; c++) _mm512_storeu_ps(acc + m * d + 16 * (c0 + c), a[c]);
+      if (c0 == 0) total[m] = tm;
+    }
+}
+
+T512 static void values512(int64_t n, int64_t d, int64_t stop, const float *p, int64_t padded, const float *block,
+                           float *acc, float *total) {
+  if (d == 64)
+    values512_d(n, 4, stop, p, padded, block, acc, total);
+  else if (d == 128)
+    values512_d(n, 8, stop, p, padded, block, acc, total);
+  else
+    values512_d(n, d / 16, stop, p, padded, block, acc, total);
+}
+
+/* The same for 8 lanes: KEYS keys as two butterflies of 8. */
+T256 ALWAYS void scores256_d(int64_t n, int64_t D, const float *qf, const float *block, float *s, int64_t padded) {
+  int64_t d = 8 * D;
+  for (int64_t m = 0; m < n; m++)
+    for (int half = 0; half < 2; half++) {
+      __m256 r[8];
+      const float *qm = qf + m * d;
+      for (int jj = 0; jj < 8; jj++) {
+        const float *kj = block + (8 * half + jj) * d;
+        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qm), _mm256_loadu_ps(kj));
+        for (int64_t c = 1; c < D; c++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qm + 8 * c), _mm256_loadu_ps(kj + 8 * c), acc);
+        r[jj] = acc;
+      }
+      for (int i = 0; i < 4; i++)
+        r[i] = _mm256_add_ps(_mm256_permute2f128_ps(r[i], r[i + 4], 0x20), _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+      for (int i = 0; i < 2; i++)
+        r[i] = _mm256_add_ps(_mm256_shuffle_ps(r[i], r[i + 2], 0x44), _mm256_shuffle_ps(r[i], r[i + 2], 0xEE));
+      __m256 z = _mm256_add_ps(_mm256_shuffle_ps(r[0], r[1], 0x88), _mm256_shuffle_ps(r[0], r[1], 0xDD));
+      _mm256_storeu_ps(s + m * padded + 8 * half, _mm256_shuffle_ps(z, z, 0xD8));
+    }
+}
+
+T256 static void scores256(int64_t n, int64_t d, const float *qf, const float *block, float *s, int64_t padded) {
+  if (d == 64)
+    scores256_d(n, 8, qf, block, s, padded);
+  else
+    scores256_d(n, d / 8, qf, block, s, padded);
+}
+
+T256 ALWAYS void values256_d(int64_t n, int64_t D, int64_t stop, const float *p, int64_t padded, const float *block,
+                             float *acc, float *total) {
+  int64_t d = 8 * D;
+  for (int64_t m = 0; m < n; m++)
+    for (int64_t c0 = 0; c0 < D; c0 += 8) { /* up to 8 vectors of a row at a time */
+      int64_t width = D - c0 < 8 ? D - c0 : 8;
+      __m256 a[8];
+      const float *pm = p + m * padded;
+      float tm = total[m];
+      for (int64_t c = 0; c < width; c++) a[c] = _mm256_loadu_ps(acc + m * d + 8 * (c0 + c));
+      for (int64_t jj = 0; jj < stop; jj++) {
+        __m256 pj = _mm256_set1_ps(pm[jj]);
+        tm += pm[jj];
+        for (int64_t c = 0; c < width; c++)
+          a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(block + jj * d + 8 * (c0 + c)), a[c]);
+      }
+      for (int64_t c = 0; c < width; c++) _mm256_storeu_ps(acc + m * d + 8 * (c0 + c), a[c]);
+      if (c0 == 0) total[m] = tm;
+    }
+}
+
+T256 static void values256(int64_t n, int64_t d, int64_t stop, const float *p, int64_t padded, const float *block,
+                           float *acc, float *total) {
+  if (d == 64)
+    values256_d(n, 8, stop, p, padded, block, acc, total);
+  else
+    values256_d(n, d / 8, stop, p, padded, block, acc, total);
+}
+
+/* Attention of up to QUERIES queries that share a kv head, against keys and values [0, length).
+ * Each score is one query's dot product with one key over d, made by the same instructions
+ * whatever slot the key has or which other queries are in the call; softmax weights then sum
+ * over the keys in order, and a key a query does not see adds an exact 0: a tree's node and a
  * one-token step that see the same keys get the same bits. Keys before `open` are seen by every
- * lane; from there on mask[l][j] says (0: seen). work: length·LANES + d·LANES + d floats. */
-#define LANES 16
-#define ATTEND(NAME, TARGET)                                                                                         \
-  TARGET static void NAME(int64_t lanes, int64_t d, const uint16_t *const *q, const uint16_t *k, const uint16_t *v,  \
-                          int64_t length, int64_t open, const uint16_t *const *mask, float scale, float *work,      \
-                          uint16_t *const *out) {                                                                   \
-    float *scores = work, *qt = scores + length * LANES, *acc = qt; /* acc reuses qt once scores are done */       \
-    float *row = qt + d * LANES;                                                                                     \
-    for (int64_t i = 0; i < d; i++)                                                                                  \
-      for (int l = 0; l < LANES; l++) qt[i * LANES + l] = l < lanes ? bf(q[l][i]) * scale : 0.0f;                   \
-    float top[LANES];                                                                                                \
-    for (int l = 0; l < LANES; l++) top[l] = -INFINITY;                                                              \
-    int64_t j = 0;                                                                                                   \
-    for (; j + 4 <= length; j += 4) { /* four keys at once: four independent sums */                                \
-      float s0[LANES] = {0}, s1[LANES] = {0}, s2[LANES] = {0}, s3[LANES] = {0};                                      \
-      const uint16_t *kj = k + j * d;                                                                                \
-      for (int64_t i = 0; i < d; i++) {                                                                              \
-        float k0 = bf(kj[i]), k1 = bf(kj[d + i]), k2 = bf(kj[2 * d + i]), k3 = bf(kj[3 * d + i]);                    \
-        const float *qi = qt + i * LANES;                                                                            \
-        _Pragma("omp simd") for (int l = 0; l < LANES; l++) {                                                       \
-          s0[l] += qi[l] * k0;                                                                                       \
-          s1[l] += qi[l] * k1;                                                                                       \
-          s2[l] += qi[l] * k2;                                                                                       \
-          s3[l] += qi[l] * k3;                                                                                       \
+ * query; from there on mask[m][j] says (0: seen). The work is proportional to the queries (a
+ * one-token step's 3 queries do not pay for 16 lanes). work: ATTEND_WORK floats. */
+#define QUERIES 8
+#define HEAD_STEP 16 /* head sizes must be multiples of this (core/q4.py HEAD_STEP) */
+#define KEYS 16
+#define PADDED(length) (((length) + KEYS - 1) / KEYS * KEYS)
+#define ATTEND_WORK(d, length) (QUERIES * (2 * (d) + PADDED(length) + 1) + KEYS * (d))
+#define ATTEND(NAME, SCORES, VALUES, TARGET)                                                                         \
+  TARGET static inline __attribute__((always_inline)) void NAME##_body(                                              \
+      int64_t n, int64_t d, const uint16_t *const *q, const uint16_t *k, const uint16_t *v, int64_t length,          \
+      int64_t open, const uint16_t *const *mask, float scale, float *work, uint16_t *const *out) {                   \
+    int64_t padded = PADDED(length);                                                                                 \
+    float *qf = work, *acc = qf + n * d, *scores = acc + n * d, *total = scores + n * padded;                        \
+    float *block = total + n;                                                                                        \
+    for (int64_t m = 0; m < n; m++) {                                                                                \
+      _Pragma("omp simd") for (int64_t i = 0; i < d; i++) qf[m * d + i] = bf(q[m][i]) * scale;                       \
+    }                                                                                                                \
+    for (int64_t j0 = 0; j0 < padded; j0 += KEYS) { /* scores, KEYS keys at a time */                                \
+      for (int64_t jj = 0; jj < KEYS; jj++) {                                                                        \
+        const uint16_t *kj = k + (j0 + jj) * d;                                                                      \
+        float *bj = block + jj * d;                                                                                  \
+        if (j0 + jj < length) {                                                                                      \
+          _Pragma("omp simd") for (int64_t i = 0; i < d; i++) bj[i] = bf(kj[i]);                                     \
+        } else {                                                                                                     \
+          for (int64_t i = 0; i < d; i++) bj[i] = 0.0f;                                                              \
         }                                                                                                            \
       }                                                                                                              \
-      _Pragma("omp simd") for (int l = 0; l < LANES; l++) {                                                         \
-        scores[j * LANES + l] = s0[l];                                                                               \
-        scores[(j + 1) * LANES + l] = s1[l];                                                                         \
-        scores[(j + 2) * LANES + l] = s2[l];                                                                         \
-        scores[(j + 3) * LANES + l] = s3[l];                                                                         \
+      SCORES(n, d, qf, block, scores + j0, padded);                                                                  \
+    }                                                                                                                \
+    for (int64_t m = 0; m < n; m++) { /* softmax weights, unnormalized */                                            \
+      float *sm = scores + m * padded, top = -INFINITY;                                                              \
+      if (mask[m])                                                                                                   \
+        for (int64_t j = open; j < length; j++)                                                                      \
+          if ((mask[m][j] & 0x7fff) != 0) sm[j] = -INFINITY;                                                         \
+      for (int64_t j = length; j < padded; j++) sm[j] = -INFINITY;                                                   \
+      _Pragma("omp simd reduction(max : top)") for (int64_t j = 0; j < padded; j++) top = sm[j] > top ? sm[j] : top; \
+      for (int64_t j0 = 0; j0 < padded; j0 += KEYS) {                                                                \
+        _Pragma("omp simd") for (int64_t l = 0; l < KEYS; l++) {                                                     \
+          float x = sm[j0 + l];                                                                                      \
+          sm[j0 + l] = x == -INFINITY ? 0.0f : exp_neg(x - top);                                                     \
+        }                                                                                                            \
       }                                                                                                              \
+      total[m] = 0.0f;                                                                                               \
+      for (int64_t i = 0; i < d; i++) acc[m * d + i] = 0.0f;                                                         \
     }                                                                                                                \
-    for (; j < length; j++) {                                                                                        \
-      float s0[LANES] = {0};                                                                                         \
-      const uint16_t *kj = k + j * d;                                                                                \
-      for (int64_t i = 0; i < d; i++) {                                                                              \
-        float k0 = bf(kj[i]);                                                                                        \
-        _Pragma("omp simd") for (int l = 0; l < LANES; l++) s0[l] += qt[i * LANES + l] * k0;                         \
+    for (int64_t j0 = 0; j0 < length; j0 += KEYS) { /* weighted values, key by key in order */                       \
+      int64_t stop = length - j0 < KEYS ? length - j0 : KEYS;                                                        \
+      for (int64_t jj = 0; jj < stop; jj++) {                                                                        \
+        const uint16_t *vj = v + (j0 + jj) * d;                                                                      \
+        _Pragma("omp simd") for (int64_t i = 0; i < d; i++) block[jj * d + i] = bf(vj[i]);                           \
       }                                                                                                              \
-      _Pragma("omp simd") for (int l = 0; l < LANES; l++) scores[j * LANES + l] = s0[l];                            \
+      VALUES(n, d, stop, scores + j0, padded, block, acc, total);                                                    \
     }                                                                                                                \
-    for (j = open; j < length; j++) /* the keys some lanes do not see */                                            \
-      for (int l = 0; l < LANES; l++)                                                                                \
-        if (l >= lanes || (mask[l] && (mask[l][j] & 0x7fff) != 0)) scores[j * LANES + l] = -INFINITY;              \
-    for (j = 0; j < length; j++) {                                                                                   \
-      _Pragma("omp simd") for (int l = 0; l < LANES; l++) top[l] = scores[j * LANES + l] > top[l] ? scores[j * LANES + l] : top[l]; \
+    for (int64_t m = 0; m < n; m++) {                                                                                \
+      float inv = 1.0f / total[m];                                                                                   \
+      for (int64_t i = 0; i < d; i++) out[m][i] = float_to_bf16(acc[m * d + i] * inv);                               \
     }                                                                                                                \
-    float total[LANES] = {0};                                                                                        \
-    for (j = 0; j < length; j++) {                                                                                   \
-      _Pragma("omp simd") for (int l = 0; l < LANES; l++) {                                                         \
-        float x = scores[j * LANES + l];                                                                             \
-        float p = x == -INFINITY ? 0.0f : exp_neg(x - top[l]);                                                       \
-        scores[j * LANES + l] = p;                                                                                   \
-        total[l] += p;                                                                                               \
-      }                                                                                                              \
-    }                                                                                                                \
-    for (int64_t i = 0; i < d * LANES; i++) acc[i] = 0.0f;                                                           \
-    for (j = 0; j < length; j++) {                                                                                   \
-      const uint16_t *vj = v + j * d;                                                                                \
-      const float *pj = scores + j * LANES;                                                                          \
-      for (int64_t i = 0; i < d; i++) row[i] = bf(vj[i]);                                                            \
-      for (int64_t i = 0; i < d; i++) {                                                                              \
-        float x = row[i];                                                                                            \
-        _Pragma("omp simd") for (int l = 0; l < LANES; l++) acc[i * LANES + l] += pj[l] * x;                         \
-      }                                                                                                              \
-    }                                                                                                                \
-    for (int64_t l = 0; l < lanes; l++) {                                                                            \
-      float inv = 1.0f / total[l];                                                                                   \
-      for (int64_t i = 0; i < d; i++) out[l][i] = float_to_bf16(acc[i * LANES + l] * inv);                          \
-    }                                                                                                                \
+  }                                                                                                                  \
+  TARGET static void NAME(int64_t n, int64_t d, const uint16_t *const *q, const uint16_t *k, const uint16_t *v,      \
+                          int64_t length, int64_t open, const uint16_t *const *mask, float scale, float *work,       \
+                          uint16_t *const *out) {                                                                    \
+    NAME##_body(n, d, q, k, v, length, open, mask, scale, work, out);                                                \
   }
 
-ATTEND(attend512, T512)
-ATTEND(attend256, T256)
+ATTEND(attend512, scores512, values512, T512)
+ATTEND(attend256, scores256, values256, T256)
 
 /* out (t × heads × d) for queries q (t × heads × d, row stride ldq) against keys and values
  * (kv_heads × capacity × d, the first `length` used); query head h reads kv head h / (heads /
@@ -113,11 +234,11 @@ ATTEND(attend256, T256)
 static int attention(int isa, int threads, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, int64_t length,
                      const uint16_t *q, int64_t ldq, const uint16_t *k, const uint16_t *v, int64_t capacity,
                      const uint16_t *mask, int64_t open, float scale, uint16_t *out) {
-  int64_t group = heads / kv_heads, queries = t * group, blocks = (queries + LANES - 1) / LANES;
+  int64_t group = heads / kv_heads, queries = t * group, blocks = (queries + QUERIES - 1) / QUERIES;
   int failed = 0;
 #pragma omp parallel num_threads(threads) if (t * heads * length >= 1024)
   {
-    float *work = malloc(sizeof(float) * (size_t)(length * LANES + d * LANES + d));
+    float *work = malloc(sizeof(float) * (size_t)ATTEND_WORK(d, length));
     if (!work) {
 #pragma omp atomic write
       failed = 1;
@@ -126,17 +247,17 @@ static int attention(int isa, int threads, int64_t t, int64_t heads, int64_t kv_
     for (int64_t g = 0; g < kv_heads; g++)
       for (int64_t b = 0; b < blocks; b++) {
         if (!work) continue;
-        const uint16_t *qs[LANES], *ms[LANES];
-        uint16_t *os[LANES];
-        int64_t lanes = queries - b * LANES < LANES ? queries - b * LANES : LANES;
-        for (int64_t l = 0; l < LANES; l++) { /* query (row r, head g·group + h) */
-          int64_t r = (b * LANES + l) / group, h = g * group + (b * LANES + l) % group;
-          qs[l] = l < lanes ? q + r * ldq + h * d : 0;
-          ms[l] = l < lanes && mask ? mask + r * length : 0;
-          os[l] = l < lanes ? out + (r * heads + h) * d : 0;
+        const uint16_t *qs[QUERIES], *ms[QUERIES];
+        uint16_t *os[QUERIES];
+        int64_t n = queries - b * QUERIES < QUERIES ? queries - b * QUERIES : QUERIES;
+        for (int64_t l = 0; l < n; l++) { /* query (row r, head g·group + h) */
+          int64_t r = (b * QUERIES + l) / group, h = g * group + (b * QUERIES + l) % group;
+          qs[l] = q + r * ldq + h * d;
+          ms[l] = mask ? mask + r * length : 0;
+          os[l] = out + (r * heads + h) * d;
         }
-        (isa == 2 ? attend512 : attend256)(lanes, d, qs, k + g * capacity * d, v + g * capacity * d, length,
-                                           open, ms, scale, work, os);
+        (isa == 2 ? attend512 : attend256)(n, d, qs, k + g * capacity * d, v + g * capacity * d, length, open, ms,
+                                           scale, work, os);
       }
     free(work);
   }
@@ -155,17 +276,18 @@ static int64_t first_hidden(const uint16_t *mask, int64_t t, int64_t length) {
 int q4_attention(int isa, int threads, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, int64_t length,
                  const uint16_t *q, int64_t ldq, const uint16_t *k, const uint16_t *v, int64_t capacity,
                  const uint16_t *mask, float scale, uint16_t *out) {
+  if (d > 512 || d % HEAD_STEP) return -2;
   return attention(isa, threads, t, heads, kv_heads, d, length, q, ldq, k, v, capacity, mask,
                    first_hidden(mask, t, length), scale, out);
 }
 
 /* y = x / √(mean(x²) + ε), rounded to bf16, times w (Llama's RMSNorm), row by row. */
 #define RMSNORM(NAME, TARGET)                                                                                        \
-  TARGET static void NAME(int64_t n, const uint16_t *x, const uint16_t *w, float eps, uint16_t *y) {                \
+  TARGET static void NAME(int64_t n, const uint16_t *x, const uint16_t *w, float eps, uint16_t *y) {                 \
     float squares = 0.0f;                                                                                            \
-    _Pragma("omp simd reduction(+ : squares)") for (int64_t i = 0; i < n; i++) squares += bf(x[i]) * bf(x[i]);      \
+    _Pragma("omp simd reduction(+ : squares)") for (int64_t i = 0; i < n; i++) squares += bf(x[i]) * bf(x[i]);       \
     float inv = 1.0f / __builtin_sqrtf(squares / (float)n + eps);                                                    \
-    for (int64_t i = 0; i < n; i++) y[i] = float_to_bf16(bf(float_to_bf16(bf(x[i]) * inv)) * bf(w[i]));             \
+    for (int64_t i = 0; i < n; i++) y[i] = float_to_bf16(bf(float_to_bf16(bf(x[i]) * inv)) * bf(w[i]));              \
   }
 
 RMSNORM(rmsnorm512, T512)
@@ -197,19 +319,19 @@ static inline float silu(float g) { /* g·σ(g), through e^x for x <= 0 */
 }
 
 #define ELEMENTWISE(NAME, TARGET)                                                                                    \
-  TARGET static void NAME##_add(int64_t n, uint16_t *x, const uint16_t *y) {                                       \
+  TARGET static void NAME##_add(int64_t n, uint16_t *x, const uint16_t *y) {                                         \
     _Pragma("omp simd") for (int64_t i = 0; i < n; i++) x[i] = float_to_bf16(bf(x[i]) + bf(y[i]));                   \
   }                                                                                                                  \
-  TARGET static void NAME##_swiglu(int64_t n, const uint16_t *g, const uint16_t *u, uint16_t *m) {                 \
+  TARGET static void NAME##_swiglu(int64_t n, const uint16_t *g, const uint16_t *u, uint16_t *m) {                   \
     _Pragma("omp simd") for (int64_t i = 0; i < n; i++) m[i] = float_to_bf16(bf(float_to_bf16(silu(bf(g[i])))) * bf(u[i])); \
   }                                                                                                                  \
-  TARGET static void NAME##_rope(int64_t heads, int64_t d, uint16_t *x, const uint16_t *cos, const uint16_t *sin) { \
+  TARGET static void NAME##_rope(int64_t heads, int64_t d, uint16_t *x, const uint16_t *cos, const uint16_t *sin) {  \
     float row[512];                                                                                                  \
     int64_t half = d / 2;                                                                                            \
     for (int64_t h = 0; h < heads; h++) {                                                                            \
       uint16_t *xh = x + h * d;                                                                                      \
       for (int64_t i = 0; i < d; i++) row[i] = bf(xh[i]);                                                            \
-      _Pragma("omp simd") for (int64_t i = 0; i < d; i++) {                                                         \
+      _Pragma("omp simd") for (int64_t i = 0; i < d; i++) {                                                          \
         float turned = i < half ? row[i + half] : row[i - half];                                                     \
         xh[i] = float_to_bf16(row[i] * bf(cos[i]) + turned * bf(sin[i]));                                            \
       }                                                                                                              \
@@ -228,7 +350,7 @@ int q4_decode(const q4_model *model, int isa, int threads, int64_t t, uint16_t *
               int64_t capacity) {
   int64_t hidden = model->hidden, d = model->head_dim, heads = model->heads, kv = model->kv_heads;
   int64_t q = heads * d, width = q + 2 * kv * d, inner = model->inner, length = past + t;
-  if (d > 512) return -2;
+  if (d > 512 || d % HEAD_STEP) return -2;
   uint16_t *h = malloc(sizeof(uint16_t) * (size_t)(t * (hidden + width + q + hidden + 2 * inner + inner)));
   if (!h) return -1;
   uint16_t *qkv = h + t * hidden, *a = qkv + t * width, *o = a + t * q, *gu = o + t * hidden, *m = gu + t * 2 * inner;
