@@ -29,6 +29,7 @@ KERNELS = ("dense", "onednn", "int4", "q4", "q8")  # how a PackedLinear multipli
 QUANTIZED = ("int4", "q4", "q8")  # the kernels of quantized weights, run with bf16 activations
 _ATTR = "medusa_fast_forward"  # where a model carries its FastForward (see forward_of)
 INT4_GROUP = 32  # int4 weights: one scale and zero per 32 inputs (the GGUF Q4_1 block)
+ROW_STEP = 64  # every kernel takes a multiple of this many outputs (torch's int4 layout needs it)
 
 
 class PackedLinear(nn.Module):
@@ -83,6 +84,11 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, kernel={self.kernel}"
+
+
+def padded_rows(rows: int) -> int:
+    """`rows` outputs rounded up to what every kernel takes (the extra rows are zeros, cut off)."""
+    return rows + (-rows % ROW_STEP)
 
 
 def _int4_pack(w: Tensor) -> tuple[Tensor, Tensor]:

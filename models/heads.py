@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from core.errors import UserError
-from core.fast import PackedLinear
+from core.fast import PackedLinear, padded_rows
 from models.head_formats import read_head_tensors
 
 WEIGHTS = "medusa_lm_head.safetensors"
@@ -195,9 +195,9 @@ class Packed:
 
 
 def _readout(weight: Tensor, dtype: torch.dtype, kernel: str) -> PackedLinear:
-    """A (rows, H) projection with its rows padded to a multiple of 64 (what the int4 layout
-    needs); callers keep the first `rows` outputs."""
-    pad = -weight.shape[0] % 64
+    """A (rows, H) projection with its rows padded to what every kernel takes; callers keep the
+    first `rows` outputs."""
+    pad = padded_rows(weight.shape[0]) - weight.shape[0]
     return PackedLinear(F.pad(weight, (0, 0, 0, pad)).to(dtype), None, kernel)
 
 
