@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -69,11 +70,21 @@ def _compiler() -> str:
     return found
 
 
+@functools.cache
+def _source() -> bytes:
+    return b"".join(p.read_bytes() for p in (*SOURCES, NATIVE / "common.h")) + " ".join(FLAGS).encode()
+
+
+def source_id() -> str:
+    """A short digest of the library's source and flags: measurements made with its kernels (step
+    costs, kernel choices) are keyed by it, so a changed kernel is measured again."""
+    return hashlib.sha256(_source()).hexdigest()[:12]
+
+
 def _artifact(compiler: str) -> Path:
     """Where the library built from this source with this compiler lives."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    code = b"".join(p.read_bytes() for p in (*SOURCES, NATIVE / "common.h"))
-    key = hashlib.sha256(code + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    key = hashlib.sha256(_source() + version.encode()).hexdigest()[:16]
     return artifact_dir() / f"q4gemm-{key}.so"
 
 

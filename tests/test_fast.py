@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from core import cache as kv
-from core import fast
+from core import fast, q4
 from core.drafters import MedusaDrafter
 from core.generate import collect, stream
 from core.settings import DecodeSettings
@@ -140,6 +140,9 @@ def test_kernel_choice_is_measured_once_and_a_damaged_record_is_measured_again(t
     record.write_text(json.dumps(known))
     assert kernels.choose(64, 128, "float32", False, record) in kernels.candidates("float32", False)
     assert len(timed) == 3 * count
+    monkeypatch.setattr(q4, "_source", lambda: b"a changed kernel library")  # its timings no longer hold
+    kernels.choose(64, 128, "float32", False, record)
+    assert len(timed) == 4 * count
 
 
 def test_int4_is_refused_where_it_cannot_run():

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from core import fast, q4
 from core.generate import collect, stream
 from core.settings import DecodeSettings
 from core.tree import load_preset
@@ -255,6 +256,13 @@ def test_measured_curve_is_stored_and_reused(tmp_path):
     again = costs.StepCosts(model, heads, store, "key-1", said.append)
     assert not again.needed and again.curve() == curve
     assert not costs.StepCosts(model, heads, store, "key-2", said.append).curve()  # another machine or model
+
+
+def test_a_changed_kernel_library_measures_the_curve_again(monkeypatch):
+    model = tiny_model("llama")
+    key = costs.curve_key(model, fast.describe(model), None)
+    monkeypatch.setattr(q4, "_source", lambda: b"a changed kernel library")
+    assert costs.curve_key(model, fast.describe(model), None) != key
 
 
 @pytest.mark.parametrize(

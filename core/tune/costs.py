@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from core import cache as kv
+from core import q4
 from core.settings import DecodeSettings
 from core.step import Draft, NoDrafter, accept, commit, prefill, verify
 from core.tune.policy import RANKS, CostCurve
@@ -44,7 +45,7 @@ def curve_key(model, describe: str, heads: str | None) -> str:
     """Everything a measured curve depends on (`heads`: how they draft, None without heads)."""
     name = getattr(model.config, "_name_or_path", "") or model.config.model_type
     dtype = str(model.dtype).removeprefix("torch.")
-    return f"{name}|{dtype}|{describe}|heads={heads}|{machine(model.device).key}"
+    return f"{name}|{dtype}|{describe}|heads={heads}|{machine(model.device).key}|kernels {q4.source_id()}"
 
 
 def measure(model, heads, repeats: int = 3, budget_s: float = BUDGET_S) -> Iterator[CostCurve | None]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from core import fast
+from core import fast, q4
 from core.tune.profile import cpu_flags, machine, time_ms
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -53,7 +53,7 @@ def candidates(dtype: str | None, int4: bool) -> list[Choice]:
 def choose(hidden: int, inner: int, dtype: str | None, int4: bool, record: Path) -> Choice:
     """The fastest working candidate; measured once per machine, shape and request."""
     request = f"{dtype or 'auto'}|{'int4' if int4 else 'full'}|{','.join(fast.KERNELS)}"  # new kernels: measured again
-    key = f"{machine(torch.device('cpu')).key}|{hidden}x{inner}|{request}"
+    key = f"{machine(torch.device('cpu')).key}|{hidden}x{inner}|{request}|kernels {q4.source_id()}"
     known = _read(record)
     with contextlib.suppress(TypeError, KeyError):
         choice = Choice(**known[key])
@@ -87,7 +87,9 @@ def drafting(out: int, inp: int, rows: int, record: Path) -> tuple[str, str]:
     kernel that runs, whether or not it rounds alike at every row count (drafts are checked by
     the verify forward). Measured once per machine and shape, remembered in `record`."""
     out = fast.padded_rows(out)  # as the heads pack it: a kernel that needs whole tiles is timed, not replaced
-    key = f"{machine(torch.device('cpu')).key}|draft {rows}x{inp}x{out}|{','.join(fast.KERNELS)}"
+    key = (
+        f"{machine(torch.device('cpu')).key}|draft {rows}x{inp}x{out}|{','.join(fast.KERNELS)}|kernels {q4.source_id()}"
+    )
     known = _read(record)
     with contextlib.suppress(TypeError, ValueError, KeyError):
         dtype, kernel = known[key]
