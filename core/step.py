@@ -56,6 +56,8 @@ class NoDrafter:
         self.tree = build_tree([]).to(device)
 
     def propose(self, hidden: Tensor, root: Tensor, history: Sequence[int] = ()) -> Draft:
+        if self.tree.depth.device != root.device:
+            self.tree = self.tree.to(root.device)
         return Draft(root.view(1), self.tree)
 
 

@@ -7,7 +7,9 @@ from collections import Counter
 import torch
 
 from core.step import NoDrafter
-from core.tune.switch import EVERY, MAX_GAP, TRIAL, Fastest
+from core.tune.switch import EVERY, MAX_GAP, TURNS, Fastest
+
+TRIAL = 2 * TURNS  # the steps of a trial between two drafters
 
 
 class Fake(NoDrafter):
@@ -22,14 +24,14 @@ class Fake(NoDrafter):
         self.observed += 1
 
 
-def run(switch: Fastest, steps: int, speed) -> Counter:
-    """`speed(name, step)`: the tokens that drafter's step gives (each step takes 10 ms)."""
+def run(switch: Fastest, steps: int, speed, seconds=lambda name: 0.01) -> Counter:
+    """`speed(name, step)`: the tokens that drafter's step gives; `seconds(name)`: its step's time."""
     ran = Counter()
     for step in range(steps):
         draft = switch.propose(torch.zeros(4), torch.tensor(1), [1])
         ran[switch.active] += 1
         switch.feed(torch.zeros(1, 4), torch.tensor([1]), 0)
-        switch.observe(draft, [1] * speed(switch.active, step), 0.01)
+        switch.observe(draft, [1] * speed(switch.active, step), seconds(switch.active))
     return ran
 
 
@@ -61,3 +63,14 @@ def test_a_drafter_that_becomes_faster_takes_over():
     assert switch.active == "a"
     ran = run(switch, 6 * (EVERY + TRIAL), lambda name, step: 1 if name == "a" else 2)  # a slows down
     assert switch.active == "b" and ran["b"] > ran["a"]
+
+
+def test_plain_decoding_runs_between_trials_where_no_drafter_pays():
+    """Drafters whose steps give no more tokens but cost their drafting lose to plain decoding,
+    which then runs with nothing drafted; in the trials every contender takes its turns."""
+    heads, eagle = Fake(), Fake()
+    switch = Fastest({"heads": heads, "eagle": eagle, "plain": NoDrafter()})
+    assert switch.trial_steps == 3 * TURNS
+    ran = run(switch, switch.trial_steps + EVERY, lambda name, step: 1, lambda name: 0.01 if name == "plain" else 0.012)
+    assert ran == Counter(plain=TURNS + EVERY, heads=TURNS, eagle=TURNS)
+    assert heads.fed == eagle.fed == 3 * TURNS + EVERY  # fed all along, ready for the next trial

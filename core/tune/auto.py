@@ -11,7 +11,7 @@ from torch import Tensor
 
 from core.lookup import NgramIndex, node_count
 from core.retrieval import RETRIEVAL_LENGTH, Corpus
-from core.step import Draft
+from core.step import Draft, NoDrafter
 from core.tree import (
     CONTEXT,
     EAGLE_DRAFTERS,
@@ -160,7 +160,7 @@ def auto_drafter(
         from core.tune.switch import Fastest
 
         heads_tree = auto_drafter(kind, heads, curve, preset, trained, corpus)
-        return Fastest({"heads": heads_tree, "eagle": eagle_drafter(eagle, curve, corpus)})
+        return Fastest({"heads": heads_tree, "eagle": eagle_drafter(eagle, curve, corpus), "plain": NoDrafter()})
     use_heads = kind in HEAD_DRAFTERS and heads is not None
     prior = None
     if use_heads:

@@ -1,8 +1,10 @@
 """Whichever drafter decodes fastest here: each is measured as it runs, on this machine.
 
-`Fastest` holds several drafters (the heads' policy-driven tree, the EAGLE layer's) and runs
-one at a time. Rates are compared only in *trials*: `TRIAL` steps in which the drafters take
-turns step by step, so each meets the same stretch of text (a repetitive passage favours
+`Fastest` holds several drafters (the heads' policy-driven tree, the EAGLE layer's, and plain
+decoding, which drafts nothing and so costs nothing beyond the forward: where no tree pays, as
+with AVX2 kernels, the steps between trials then pay no drafting or policy either) and runs one
+at a time. Rates are compared only in *trials*, in which the drafters take turns step by step
+(`TURNS` steps each), so each meets the same stretch of text (a repetitive passage favours
 every drafter alike; a comparison across different passages would favour whichever happened
 to run on the easy one). Between trials the drafter with the most tokens per second of step
 time over its last `MEMORY` trials runs; the first trial opens the first reply, and one
@@ -24,7 +26,7 @@ from torch import Tensor
 
 from core.step import Draft
 
-TRIAL = 16  # steps of one trial, taken in turns
+TURNS = 8  # steps each drafter takes in one trial
 EVERY = 160  # steps between trials at first, and after a trial that changed the leader
 MAX_GAP = 4 * EVERY  # the gap a run of trials won by the same drafter grows to
 MEMORY = 4  # trials a drafter's rate is measured over
@@ -35,7 +37,8 @@ class Fastest:
         self.drafters = drafters
         self.trials: dict[str, deque[list[float]]] = {n: deque(maxlen=MEMORY) for n in drafters}
         self.active = next(iter(drafters))
-        self._trial = TRIAL  # steps left in the running trial (0: none runs)
+        self.trial_steps = TURNS * len(drafters)
+        self._trial = self.trial_steps  # steps left in the running trial (0: none runs)
         self._since = 0  # steps since the last trial ended
         self._gap = EVERY  # steps from the last trial to the next
         self._leader: str | None = None  # the fastest before the running trial
@@ -54,7 +57,7 @@ class Fastest:
 
     def _pick(self) -> str:
         if self._trial == 0 and self._since >= self._gap:
-            self._trial, self._since = TRIAL, 0
+            self._trial, self._since = self.trial_steps, 0
         if self._trial > 0:
             if not self._open:
                 self._leader = self.leader() if any(self.trials[n] for n in self._names) else None
