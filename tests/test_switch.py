@@ -7,7 +7,7 @@ from collections import Counter
 import torch
 
 from core.step import NoDrafter
-from core.tune.switch import EVERY, MAX_GAP, TURNS, Fastest
+from core.tune.switch import EVERY, FIRST_GAP, MAX_GAP, TURNS, Fastest
 
 TRIAL = 2 * TURNS  # the steps of a trial between two drafters
 
@@ -36,16 +36,24 @@ def run(switch: Fastest, steps: int, speed, seconds=lambda name: 0.01) -> Counte
 
 
 def test_the_faster_runs_between_trials_and_every_drafter_sees_every_feature():
-    """Trials at the start, then EVERY steps later; each that keeps the leader doubles the gap."""
+    """Two trials at the start (the first named runs between them), then one EVERY steps later;
+    each that keeps the leader doubles the gap."""
     slow, fast = Fake(), Fake()
     switch = Fastest({"slow": slow, "fast": fast})
-    steps = TRIAL + (EVERY + TRIAL) + (2 * EVERY + TRIAL) + (MAX_GAP + TRIAL) + (MAX_GAP + TRIAL)
+    gaps = (FIRST_GAP, EVERY, 2 * EVERY, MAX_GAP, MAX_GAP)
+    steps = TRIAL + sum(gap + TRIAL for gap in gaps)
     ran = run(switch, steps, lambda name, step: 3 if name == "fast" else 2)
     assert MAX_GAP == 4 * EVERY
-    assert ran["slow"] == 5 * TRIAL // 2  # only its turns in the five trials
+    assert ran["slow"] == 6 * TRIAL // 2 + FIRST_GAP  # its turns in the six trials, and the first gap
     assert slow.fed == fast.fed == steps
     assert slow.observed == ran["slow"] and fast.observed == ran["fast"]
     assert switch.rate("fast") == 300 and switch.rate("slow") == 200
+
+
+def test_one_trial_is_too_little_to_switch_on():
+    switch = Fastest({"a": Fake(), "b": Fake()})
+    ran = run(switch, TRIAL + FIRST_GAP, lambda name, step: 1 + (name == "b"))
+    assert ran == Counter(a=TRIAL // 2 + FIRST_GAP, b=TRIAL // 2)
 
 
 def test_trials_compare_like_with_like():
@@ -53,13 +61,13 @@ def test_trials_compare_like_with_like():
     both meet it, and the one that is faster on the same text wins."""
     switch = Fastest({"a": Fake(), "b": Fake()})
     easy = range(0, TRIAL)  # the first trial's passage is easy for both
-    ran = run(switch, TRIAL + EVERY, lambda name, step: (8 if step in easy else 1) + (name == "b"))
-    assert ran["b"] > EVERY  # b wins by one token a step everywhere
+    ran = run(switch, 2 * TRIAL + FIRST_GAP + EVERY, lambda name, step: (8 if step in easy else 1) + (name == "b"))
+    assert ran["b"] == TRIAL + EVERY  # b wins by one token a step everywhere
 
 
 def test_a_drafter_that_becomes_faster_takes_over():
-    switch = Fastest({"a": Fake(), "b": Fake()})
-    run(switch, TRIAL + 20, lambda name, step: 3 if name == "a" else 2)
+    switch = Fastest({"b": Fake(), "a": Fake()})
+    run(switch, 2 * TRIAL + FIRST_GAP + 20, lambda name, step: 3 if name == "a" else 2)
     assert switch.active == "a"
     ran = run(switch, 6 * (EVERY + TRIAL), lambda name, step: 1 if name == "a" else 2)  # a slows down
     assert switch.active == "b" and ran["b"] > ran["a"]
@@ -71,6 +79,7 @@ def test_plain_decoding_runs_between_trials_where_no_drafter_pays():
     heads, eagle = Fake(), Fake()
     switch = Fastest({"heads": heads, "eagle": eagle, "plain": NoDrafter()})
     assert switch.trial_steps == 3 * TURNS
-    ran = run(switch, switch.trial_steps + EVERY, lambda name, step: 1, lambda name: 0.01 if name == "plain" else 0.012)
-    assert ran == Counter(plain=TURNS + EVERY, heads=TURNS, eagle=TURNS)
-    assert heads.fed == eagle.fed == 3 * TURNS + EVERY  # fed all along, ready for the next trial
+    steps = 2 * switch.trial_steps + FIRST_GAP + EVERY
+    ran = run(switch, steps, lambda name, step: 1, lambda name: 0.01 if name == "plain" else 0.012)
+    assert ran == Counter(plain=2 * TURNS + EVERY, heads=2 * TURNS + FIRST_GAP, eagle=2 * TURNS)
+    assert heads.fed == eagle.fed == steps  # fed all along, ready for the next trial

@@ -7,8 +7,11 @@ at a time. Rates are compared only in *trials*, in which the drafters take turns
 (`TURNS` steps each), so each meets the same stretch of text (a repetitive passage favours
 every drafter alike; a comparison across different passages would favour whichever happened
 to run on the easy one). Between trials the drafter with the most tokens per second of step
-time over its last `MEMORY` trials runs; the first trial opens the first reply, and one
-follows `EVERY` steps later, so a drafter that becomes faster (another load on the machine,
+time over its last `MEMORY` trials runs, once every drafter has been measured in `EVIDENCE`
+trials (before that, the first one named: one trial of 8 steps each at the start of a reply,
+where the heads' policy has not learned the text yet, is too little to switch on); the first
+trial opens the first reply, the second follows `FIRST_GAP` steps later, and one follows
+`EVERY` steps after that, so a drafter that becomes faster (another load on the machine,
 another kind of conversation) takes over. A trial that leaves the same drafter ahead doubles
 the gap to the next one, up to `MAX_GAP` steps (a losing drafter's turns cost time: on a CPU
 where a plain step takes 3 ms, EAGLE's drafting alone takes about as long), and a trial that
@@ -30,6 +33,8 @@ TURNS = 8  # steps each drafter takes in one trial
 EVERY = 160  # steps between trials at first, and after a trial that changed the leader
 MAX_GAP = 4 * EVERY  # the gap a run of trials won by the same drafter grows to
 MEMORY = 4  # trials a drafter's rate is measured over
+EVIDENCE = 2  # trials every drafter must have run in before rates pick the one that runs
+FIRST_GAP = 32  # steps between the first trials
 
 
 class Fastest:
@@ -53,6 +58,8 @@ class Fastest:
         return tokens / seconds if seconds > 0 else None
 
     def leader(self) -> str:
+        if any(len(self.trials[n]) < EVIDENCE for n in self._names):
+            return self._names[0]
         return max(self._names, key=lambda n: self.rate(n) or 0.0)
 
     def _pick(self) -> str:
@@ -87,7 +94,12 @@ class Fastest:
             self._open = self._trial > 0
             if not self._open:  # the trial is over
                 kept = self._leader is not None and self.leader() == self._leader
-                self._gap = min(2 * self._gap, MAX_GAP) if kept else EVERY
+                if len(self.trials[self.active]) < EVIDENCE:
+                    self._gap = FIRST_GAP
+                elif len(self.trials[self.active]) == EVIDENCE:  # the first comparison
+                    self._gap = EVERY
+                else:
+                    self._gap = min(2 * self._gap, MAX_GAP) if kept else EVERY
         if (observe := getattr(self.drafters[self.active], "observe", None)) is not None:
             observe(draft, emitted, seconds)
 
