@@ -9,6 +9,7 @@ and masks, and loads the presets shipped in `assets/trees/`.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, replace
 from importlib import resources
@@ -66,6 +67,11 @@ class TreeBuffers:
         mask = torch.zeros((1, 1, t, past + t), dtype=dtype, device=self.visible.device)
         mask[0, 0, :, past:].masked_fill_(~self.visible, torch.finfo(dtype).min)
         return mask
+
+    @functools.cached_property
+    def parents(self) -> list[int]:
+        """`parent` as a list (a step's greedy acceptance walks it faster than small tensor ops)."""
+        return self.parent.tolist()
 
     def path_to(self, node: int) -> Tensor:
         """(d + 1,) node indices from the root down to `node`."""
