@@ -32,6 +32,15 @@ static inline float bf(uint16_t b) { return bf16_to_float(b); }
  * value jj and total_m += p_m[jj], key after key. */
 #define ALWAYS static inline __attribute__((always_inline))
 
+/* r[jj] (jj < W) = the lane-wise partial sums of q · key jj over the head (d = W·D floats a
+ * row), for the keys at `keys`: one product, then D - 1 fused adds, the same for every key. */
+#define PARTIALS(P, W, r, q, keys)                                                                                   \
+  for (int jj = 0; jj < W; jj++) {                                                                                   \
+    const float *kj = (keys) + jj * d;                                                                               \
+    r[jj] = P##_mul_ps(P##_loadu_ps(q), P##_loadu_ps(kj));                                                           \
+    for (int64_t c = 1; c < D; c++) r[jj] = P##_fmadd_ps(P##_loadu_ps((q) + W * c), P##_loadu_ps(kj + W * c), r[jj]); \
+  }
+
 T512 ALWAYS void scores512_d(int64_t n, int64_t D, const float *qf, const float *block, float *s, int64_t padded) {
   static const int order[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
   const __m512i back = _mm512_loadu_si512(order);
@@ -39,12 +48,7 @@ T512 ALWAYS void scores512_d(int64_t n, int64_t D, const float *qf, const float 
   for (int64_t m = 0; m < n; m++) {
     __m512 r[16], w[8];
     const float *qm = qf + m * d;
-    for (int jj = 0; jj < 16; jj++) {
-      const float *kj = block + jj * d;
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qm), _mm512_loadu_ps(kj));
-      for (int64_t c = 1; c < D; c++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qm + 16 * c), _mm512_loadu_ps(kj + 16 * c), acc);
-      r[jj] = acc;
-    }
+    PARTIALS(_mm512, 16, r, qm, block);
     for (int i = 0; i < 8; i++)
       w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r[i], r[i + 8], 0x44), _mm512_shuffle_f32x4(r[i], r[i + 8], 0xEE));
     for (int i = 0; i < 4; i++)
@@ -65,37 +69,6 @@ T512 static void scores512(int64_t n, int64_t d, const float *qf, const float *b
     scores512_d(n, d / 16, qf, block, s, padded);
 }
 
-T512 ALWAYS void values512_d(int64_t n, int64_t D, int64_t stop, const float *p, int64_t padded, const float *block,
-                             float *acc, float *total) {
-  int64_t d = 16 * D;
-  for (int64_t m = 0; m < n; m++)
-    for (int64_t c0 = 0; c0 < D; c0 += 8) { /* up to 8 vectors of a row at a time */
-      int64_t width = D - c0 < 8 ? D - c0 : 8;
-      __m512 a[8];
-      const float *pm = p + m * padded;
-      float tm = total[m];
-      for (int64_t c = 0; c < width; c++) a[c] = _mm512_loadu_ps(acc + m * d + 16 * (c0 + c));
-      for (int64_t jj = 0; jj < stop; jj++) {
-        __m512 pj = _mm512_set1_ps(pm[jj]);
-        tm += pm[jj];
-        for (int64_t c = 0; c < width; c++)
-          a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(block + jj * d + 16 * (c0 + c)), a[c]);
-      }
-      for (int64_t c = 0; c < width; c++) _mm512_storeu_ps(acc + m * d + 16 * (c0 + c), a[c]);
-      if (c0 == 0) total[m] = tm;
-    }
-}
-
-T512 static void values512(int64_t n, int64_t d, int64_t stop, const float *p, int64_t padded, const float *block,
-                           float *acc, float *total) {
-  if (d == 64)
-    values512_d(n, 4, stop, p, padded, block, acc, total);
-  else if (d == 128)
-    values512_d(n, 8, stop, p, padded, block, acc, total);
-  else
-    values512_d(n, d / 16, stop, p, padded, block, acc, total);
-}
-
 /* The same for 8 lanes: KEYS keys as two butterflies of 8. */
 T256 ALWAYS void scores256_d(int64_t n, int64_t D, const float *qf, const float *block, float *s, int64_t padded) {
   int64_t d = 8 * D;
@@ -103,12 +76,7 @@ T256 ALWAYS void scores256_d(int64_t n, int64_t D, const float *qf, const float 
     for (int half = 0; half < 2; half++) {
       __m256 r[8];
       const float *qm = qf + m * d;
-      for (int jj = 0; jj < 8; jj++) {
-        const float *kj = block + (8 * half + jj) * d;
-        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qm), _mm256_loadu_ps(kj));
-        for (int64_t c = 1; c < D; c++) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qm + 8 * c), _mm256_loadu_ps(kj + 8 * c), acc);
-        r[jj] = acc;
-      }
+      PARTIALS(_mm256, 8, r, qm, block + 8 * half * d);
       for (int i = 0; i < 4; i++)
         r[i] = _mm256_add_ps(_mm256_permute2f128_ps(r[i], r[i + 4], 0x20), _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
       for (int i = 0; i < 2; i++)
@@ -125,34 +93,40 @@ T256 static void scores256(int64_t n, int64_t d, const float *qf, const float *b
     scores256_d(n, d / 8, qf, block, s, padded);
 }
 
-T256 ALWAYS void values256_d(int64_t n, int64_t D, int64_t stop, const float *p, int64_t padded, const float *block,
-                             float *acc, float *total) {
-  int64_t d = 8 * D;
-  for (int64_t m = 0; m < n; m++)
-    for (int64_t c0 = 0; c0 < D; c0 += 8) { /* up to 8 vectors of a row at a time */
-      int64_t width = D - c0 < 8 ? D - c0 : 8;
-      __m256 a[8];
-      const float *pm = p + m * padded;
-      float tm = total[m];
-      for (int64_t c = 0; c < width; c++) a[c] = _mm256_loadu_ps(acc + m * d + 8 * (c0 + c));
-      for (int64_t jj = 0; jj < stop; jj++) {
-        __m256 pj = _mm256_set1_ps(pm[jj]);
-        tm += pm[jj];
-        for (int64_t c = 0; c < width; c++)
-          a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(block + jj * d + 8 * (c0 + c)), a[c]);
-      }
-      for (int64_t c = 0; c < width; c++) _mm256_storeu_ps(acc + m * d + 8 * (c0 + c), a[c]);
-      if (c0 == 0) total[m] = tm;
-    }
-}
+/* values: for each query m, acc_m += p_m[jj] · value jj and total_m += p_m[jj], key after key
+ * (`stop` keys of a block), W lanes a vector (P: the intrinsics' prefix). */
+#define VALUES(NAME, TARGET, VEC, W, P)                                                                              \
+  TARGET ALWAYS void NAME##_d(int64_t n, int64_t D, int64_t stop, const float *p, int64_t padded, const float *block, \
+                              float *acc, float *total) {                                                           \
+    int64_t d = W * D;                                                                                               \
+    for (int64_t m = 0; m < n; m++)                                                                                  \
+      for (int64_t c0 = 0; c0 < D; c0 += 8) { /* up to 8 vectors of a row at a time */                             \
+        int64_t width = D - c0 < 8 ? D - c0 : 8;                                                                     \
+        VEC a[8];                                                                                                    \
+        const float *pm = p + m * padded;                                                                            \
+        float tm = total[m];                                                                                         \
+        for (int64_t c = 0; c < width; c++) a[c] = P##_loadu_ps(acc + m * d + W * (c0 + c));                        \
+        for (int64_t jj = 0; jj < stop; jj++) {                                                                      \
+          VEC pj = P##_set1_ps(pm[jj]);                                                                              \
+          tm += pm[jj];                                                                                              \
+          for (int64_t c = 0; c < width; c++) a[c] = P##_fmadd_ps(pj, P##_loadu_ps(block + jj * d + W * (c0 + c)), a[c]); \
+        }                                                                                                            \
+        for (int64_t c = 0; c < width; c++) P##_storeu_ps(acc + m * d + W * (c0 + c), a[c]);                       \
+        if (c0 == 0) total[m] = tm;                                                                                  \
+      }                                                                                                              \
+  }                                                                                                                  \
+  TARGET static void NAME(int64_t n, int64_t d, int64_t stop, const float *p, int64_t padded, const float *block,   \
+                          float *acc, float *total) { /* the common head sizes with their loops' bounds known */    \
+    if (d == 64)                                                                                                     \
+      NAME##_d(n, 64 / W, stop, p, padded, block, acc, total);                                                       \
+    else if (d == 128)                                                                                               \
+      NAME##_d(n, 128 / W, stop, p, padded, block, acc, total);                                                      \
+    else                                                                                                             \
+      NAME##_d(n, d / W, stop, p, padded, block, acc, total);                                                        \
+  }
 
-T256 static void values256(int64_t n, int64_t d, int64_t stop, const float *p, int64_t padded, const float *block,
-                           float *acc, float *total) {
-  if (d == 64)
-    values256_d(n, 8, stop, p, padded, block, acc, total);
-  else
-    values256_d(n, d / 8, stop, p, padded, block, acc, total);
-}
+VALUES(values512, T512, __m512, 16, _mm512)
+VALUES(values256, T256, __m256, 8, _mm256)
 
 /* Attention of up to QUERIES queries that share a kv head, against keys and values [0, length).
  * Each score is one query's dot product with one key over d, made by the same instructions
