@@ -27,6 +27,7 @@ from core import q4
 SUPPORTED = ("llama", "mistral", "qwen2")  # model_type values whose decoder layers FastForward reproduces
 KERNELS = ("dense", "onednn", "int4", "q4", "q8")  # how a PackedLinear multiplies; see PackedLinear
 QUANTIZED = ("int4", "q4", "q8")  # the kernels of quantized weights, run with bf16 activations
+LIBRARY = ("q4", "q8")  # the kernels of the project's own library (core.q4)
 _ATTR = "medusa_fast_forward"  # where a model carries its FastForward (see forward_of)
 INT4_GROUP = 32  # int4 weights: one scale and zero per 32 inputs (the GGUF Q4_1 block)
 ROW_STEP = 64  # every kernel takes a multiple of this many outputs (torch's int4 layout needs it)
@@ -54,9 +55,9 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach()
         w = weight.detach()
-        if kernel in ("q4", "q8") and not q4.fits(*w.shape):
+        if kernel in LIBRARY and not q4.fits(*w.shape):
             self.kernel = kernel = "dense"
-        if kernel in ("q4", "q8"):
+        if kernel in LIBRARY:
             lib = q4.library()
             if lib is None:
                 raise RuntimeError(f"the kernel library is unavailable: {q4.unavailable()}")
@@ -76,7 +77,7 @@ class PackedLinear(nn.Module):
         elif self.kernel == "int4":
             y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, INT4_GROUP, self.scales_zeros)
             y = y if self.bias is None else y + self.bias
-        elif self.kernel in ("q4", "q8"):
+        elif self.kernel in LIBRARY:
             y = self.packed(x2 if x2.dtype == torch.bfloat16 else x2.to(torch.bfloat16)).to(x.dtype)
         else:
             y = F.linear(x2, self.packed, self.bias)
@@ -326,13 +327,7 @@ class LeanLayer:
         qk = _rotate(qkv[:, : self.q_size + self.kv_size].view(t, heads + kv, d), *rope)
         cache.keys[i, :, past:end] = qk[:, heads:].transpose(0, 1)
         cache.values[i, :, past:end] = qkv[:, self.q_size + self.kv_size :].view(t, kv, d).transpose(0, 1)
-        if (
-            self.ops is not None
-            and not causal
-            and t <= self.ops.MAX_ROWS
-            and self.ops.attends(d)
-            and (mask is None or mask.dtype == qk.dtype)
-        ):
+        if self.ops is not None and self.ops.attends(d) and q4.Ops.takes(t, mask, causal, qk.dtype):
             seen = None if mask is None else mask[0, 0].contiguous()
             a = self.ops.attention(qk[:, :heads], cache.keys[i], cache.values[i], end, seen)
         else:
@@ -403,7 +398,7 @@ def run_native(decoder: q4.Decoder | None, x: Tensor, rope, past: int, mask, cau
     """Run the decoder layers in the library (x updated in place) where it takes this step:
     up to `q4.Ops.MAX_ROWS` rows, not a causal block (a prompt's prefill). False: it did not."""
     t = x.shape[0]
-    if decoder is None or causal or t > q4.Ops.MAX_ROWS or (mask is not None and mask.dtype != x.dtype):
+    if decoder is None or not q4.Ops.takes(t, mask, causal, x.dtype):
         return False
     cos, sin = (r.reshape(t, -1).contiguous() for r in rope)
     seen = None if mask is None else mask[0, 0].contiguous()
@@ -418,12 +413,11 @@ def native_decoder(layers: nn.ModuleList, config, lean: list[LeanLayer]) -> q4.D
         layer.ops is None
         or not layer.ops.attends(layer.head_dim)
         or any(isinstance(n, nn.Identity) for n in (m.input_layernorm, m.post_attention_layernorm))
-        or any(p.kernel not in ("q4", "q8") for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+        or any(p.kernel not in LIBRARY for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
         for m, layer in zip(layers, lean, strict=True)
     ):
         return None
-    first = layers[0].input_layernorm
-    eps = getattr(first, "variance_epsilon", None) or getattr(first, "eps", 1e-6)
+    eps = _eps(layers[0].input_layernorm)
     weights = [
         (
             m.input_layernorm.weight,
@@ -441,14 +435,18 @@ def _dtype(layer: nn.Module) -> torch.dtype:
     return next(p.dtype for p in layer.parameters() if p.is_floating_point())
 
 
+def _eps(norm: nn.Module) -> float:
+    """An RMSNorm module's epsilon, under either of the names transformers gives it."""
+    return getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+
+
 def _norm(module: nn.Module, ops: q4.Ops | None = None):
     """An RMSNorm module as one fused call (same maths as transformers' Llama RMSNorm; the
     library's row-by-row kernel where `ops` is given, for (T, H) inputs); an nn.Identity (a
     layer without that norm) as itself."""
     if isinstance(module, nn.Identity):
         return module
-    weight = module.weight
-    eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps", 1e-6)
+    weight, eps = module.weight, _eps(module)
     shape = (weight.shape[0],)
     if ops is not None:
         return lambda x: (

@@ -332,6 +332,12 @@ class Ops:
         self.lib.q4_rmsnorm(self.variant, rows, n, x.data_ptr(), x.stride(0), weight.data_ptr(), eps, y.data_ptr())
         return y
 
+    @classmethod
+    def takes(cls, rows: int, mask: Tensor | None, causal: bool, dtype: torch.dtype) -> bool:
+        """Whether the step kernels take a block of `rows` rows: a decoding step (not a causal
+        prefill block), at most `MAX_ROWS` rows, its mask (if any) in the model's dtype."""
+        return not causal and rows <= cls.MAX_ROWS and (mask is None or mask.dtype == dtype)
+
     @staticmethod
     def attends(head_dim: int) -> bool:
         """Whether the attention kernel takes heads of this size."""

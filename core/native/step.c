@@ -141,9 +141,9 @@ VALUES(values256, T256, __m256, 8, _mm256)
 #define PADDED(length) (((length) + KEYS - 1) / KEYS * KEYS)
 #define ATTEND_WORK(d, length) (QUERIES * (2 * (d) + PADDED(length) + 1) + KEYS * (d))
 #define ATTEND(NAME, SCORES, VALUES, TARGET)                                                                         \
-  TARGET static inline __attribute__((always_inline)) void NAME##_body(                                              \
-      int64_t n, int64_t d, const uint16_t *const *q, const uint16_t *k, const uint16_t *v, int64_t length,          \
-      int64_t open, const uint16_t *const *mask, float scale, float *work, uint16_t *const *out) {                   \
+  TARGET static void NAME(int64_t n, int64_t d, const uint16_t *const *q, const uint16_t *k, const uint16_t *v,      \
+                          int64_t length, int64_t open, const uint16_t *const *mask, float scale, float *work,       \
+                          uint16_t *const *out) {                                                                    \
     int64_t padded = PADDED(length);                                                                                 \
     float *qf = work, *acc = qf + n * d, *scores = acc + n * d, *total = scores + n * padded;                        \
     float *block = total + n;                                                                                        \
@@ -190,11 +190,6 @@ VALUES(values256, T256, __m256, 8, _mm256)
       float inv = 1.0f / total[m];                                                                                   \
       for (int64_t i = 0; i < d; i++) out[m][i] = float_to_bf16(acc[m * d + i] * inv);                               \
     }                                                                                                                \
-  }                                                                                                                  \
-  TARGET static void NAME(int64_t n, int64_t d, const uint16_t *const *q, const uint16_t *k, const uint16_t *v,      \
-                          int64_t length, int64_t open, const uint16_t *const *mask, float scale, float *work,       \
-                          uint16_t *const *out) {                                                                    \
-    NAME##_body(n, d, q, k, v, length, open, mask, scale, work, out);                                                \
   }
 
 ATTEND(attend512, scores512, values512, T512)

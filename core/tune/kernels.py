@@ -50,10 +50,15 @@ def candidates(dtype: str | None, int4: bool) -> list[Choice]:
     return [Choice(d, k, k) for d in dtypes for k in ("onednn", "dense")]
 
 
+def _key(*what: str) -> str:
+    """A record's key: the machine, what was measured, and the kernels it was measured among (new
+    kernels, or a changed kernel library, are measured again)."""
+    return "|".join((machine(torch.device("cpu")).key, *what, ",".join(fast.KERNELS), f"kernels {q4.source_id()}"))
+
+
 def choose(hidden: int, inner: int, dtype: str | None, int4: bool, record: Path) -> Choice:
     """The fastest working candidate; measured once per machine, shape and request."""
-    request = f"{dtype or 'auto'}|{'int4' if int4 else 'full'}|{','.join(fast.KERNELS)}"  # new kernels: measured again
-    key = f"{machine(torch.device('cpu')).key}|{hidden}x{inner}|{request}|kernels {q4.source_id()}"
+    key = _key(f"{hidden}x{inner}", dtype or "auto", "int4" if int4 else "full")
     known = _read(record)
     with contextlib.suppress(TypeError, KeyError):
         choice = Choice(**known[key])
@@ -87,9 +92,7 @@ def drafting(out: int, inp: int, rows: int, record: Path) -> tuple[str, str]:
     kernel that runs, whether or not it rounds alike at every row count (drafts are checked by
     the verify forward). Measured once per machine and shape, remembered in `record`."""
     out = fast.padded_rows(out)  # as the heads pack it: a kernel that needs whole tiles is timed, not replaced
-    key = (
-        f"{machine(torch.device('cpu')).key}|draft {rows}x{inp}x{out}|{','.join(fast.KERNELS)}|kernels {q4.source_id()}"
-    )
+    key = _key(f"draft {rows}x{inp}x{out}")
     known = _read(record)
     with contextlib.suppress(TypeError, ValueError, KeyError):
         dtype, kernel = known[key]
