@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 
 from core.step import NoDrafter
@@ -47,7 +48,7 @@ def test_the_faster_runs_between_trials_and_every_drafter_sees_every_feature():
     assert ran["slow"] == 6 * TRIAL // 2 + FIRST_GAP  # its turns in the six trials, and the first gap
     assert slow.fed == fast.fed == steps
     assert slow.observed == ran["slow"] and fast.observed == ran["fast"]
-    assert switch.rate("fast") == 300 and switch.rate("slow") == 200
+    assert switch.rate("fast") == pytest.approx(300) and switch.rate("slow") == pytest.approx(200)
 
 
 def test_one_trial_is_too_little_to_switch_on():
@@ -83,3 +84,33 @@ def test_plain_decoding_runs_between_trials_where_no_drafter_pays():
     ran = run(switch, steps, lambda name, step: 1, lambda name: 0.01 if name == "plain" else 0.012)
     assert ran == Counter(plain=2 * TURNS + EVERY, heads=2 * TURNS + FIRST_GAP, eagle=2 * TURNS)
     assert heads.fed == eagle.fed == steps  # fed all along, ready for the next trial
+
+
+def noisy(name: str, step: int) -> int:
+    """A drafter's tokens a step: 1 to 4, in a pattern that repeats every 7 steps (mean 2)."""
+    return (1, 4, 1, 2, 3, 1, 2)[(step * 3 + len(name)) % 7]
+
+
+def test_with_a_reference_only_a_measurably_faster_drafter_replaces_it():
+    """Plain decoding keeps running against a drafter 5 % slower whose steps' tokens vary (so
+    a trial's rate can favour it by luck), and gives way to one faster by more than the noise."""
+    def tokens(name, step):
+        return 1 if name == "plain" else noisy(name, step)
+
+    close = Fastest({"heads": Fake(), "plain": NoDrafter()}, reference="plain")
+    ran = run(close, 2000, tokens, lambda name: 0.01 if name == "plain" else 0.021)
+    assert close.leader() == "plain" and ran["plain"] > 10 * ran["heads"]
+    clear = Fastest({"heads": Fake(), "plain": NoDrafter()}, reference="plain")
+    ran = run(clear, 2000, tokens, lambda name: 0.01 if name == "plain" else 0.013)
+    assert clear.leader() == "heads" and ran["heads"] > 10 * ran["plain"]
+
+
+def test_trials_come_soon_when_the_best_rate_is_not_yet_trusted():
+    """When the drafter with the best rate is not yet measurably faster than the reference, the
+    next trial follows FIRST_GAP steps later (not EVERY)."""
+    switch = Fastest({"heads": Fake(), "plain": NoDrafter()}, reference="plain")
+    steps = TRIAL + FIRST_GAP + TRIAL + FIRST_GAP + TRIAL
+    ran = run(switch, steps, lambda name, step: 1 if name == "plain" else noisy(name, step),
+              lambda name: 0.01 if name == "plain" else 0.019)  # fmt: skip
+    assert switch.rate("heads") > switch.rate("plain") and switch.leader() == "plain"
+    assert ran["heads"] == 3 * TRIAL // 2  # three trials in that many steps, plain between them

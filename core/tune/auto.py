@@ -160,7 +160,8 @@ def auto_drafter(
         from core.tune.switch import Fastest
 
         heads_tree = auto_drafter(kind, heads, curve, preset, trained, corpus)
-        return Fastest({"heads": heads_tree, "eagle": eagle_drafter(eagle, curve, corpus), "plain": NoDrafter()})
+        contenders = {"heads": heads_tree, "eagle": eagle_drafter(eagle, curve, corpus), "plain": NoDrafter()}
+        return Fastest(contenders, reference="plain")  # a tree runs once it is measurably faster
     use_heads = kind in HEAD_DRAFTERS and heads is not None
     prior = None
     if use_heads:

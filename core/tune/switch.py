@@ -17,10 +17,22 @@ the gap to the next one, up to `MAX_GAP` steps (a losing drafter's turns cost ti
 where a plain step takes 3 ms, EAGLE's drafting alone takes about as long), and a trial that
 changes the leader brings it back to `EVERY`. Every drafter that reads the backbone's features is
 fed all of them, whichever ran, so the one switched to drafts from the whole context.
+
+With a `reference` (plain decoding, whose steps always give one token, so its rate is known
+best), another drafter runs only once it is measured faster with confidence: its rate over
+the reference's by `CONFIDENCE` standard errors of the difference (from the steps' tokens and
+seconds; a step of a tree gives 1 to 6 tokens, so 16 steps leave a rate uncertain by about
+10 %). Rates within the noise of each other, as with AVX2 kernels, where the heads' tree is
+within 5 % of plain decoding, would otherwise crown whichever had the luckier steps; plain
+then runs, which loses nothing against a drafter that is not measurably faster. When a
+drafter that is not running comes to have the best rate, the next trial follows `FIRST_GAP`
+steps later, so the evidence that decides comes soon (such trials are cheap: the drafters are
+close), and the gaps double from there while it stays so.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
@@ -32,35 +44,65 @@ from core.step import Draft
 TURNS = 8  # steps each drafter takes in one trial
 EVERY = 160  # steps between trials at first, and after a trial that changed the leader
 MAX_GAP = 4 * EVERY  # the gap a run of trials won by the same drafter grows to
-MEMORY = 4  # trials a drafter's rate is measured over
+MEMORY = 6  # trials a drafter's rate is measured over
 EVIDENCE = 2  # trials every drafter must have run in before rates pick the one that runs
-FIRST_GAP = 32  # steps between the first trials
+FIRST_GAP = 32  # steps between the first trials, and while the best rate is not yet trusted
+CONFIDENCE = 1.0  # standard errors by which a drafter must beat the reference to replace it
 
 
 class Fastest:
-    def __init__(self, drafters: dict[str, object]) -> None:
+    def __init__(self, drafters: dict[str, object], reference: str | None = None) -> None:
+        """`reference`: the drafter that runs unless another is measured faster with confidence
+        (None: the first named runs until rates decide, then the fastest)."""
         self.drafters = drafters
-        self.trials: dict[str, deque[list[float]]] = {n: deque(maxlen=MEMORY) for n in drafters}
-        self.active = next(iter(drafters))
+        self.reference = reference
+        self.trials: dict[str, deque[list[tuple[int, float]]]] = {n: deque(maxlen=MEMORY) for n in drafters}
+        self.active = reference or next(iter(drafters))
         self.trial_steps = TURNS * len(drafters)
         self._trial = self.trial_steps  # steps left in the running trial (0: none runs)
         self._since = 0  # steps since the last trial ended
         self._gap = EVERY  # steps from the last trial to the next
         self._leader: str | None = None  # the fastest before the running trial
+        self._runs = self.active  # what runs between trials (the leader as of the last trial)
+        self._doubt = False  # a drafter that does not run has the best rate
         self._names = list(drafters)
         self._turn = 0
         self._open = False  # each drafter's tally for the running trial is open
 
+    def _steps(self, name: str) -> list[tuple[int, float]]:
+        return [step for trial in self.trials[name] for step in trial]
+
     def rate(self, name: str) -> float | None:
         """Tokens per second of step time over `name`'s last trials (None before one)."""
-        tokens = sum(t for t, _ in self.trials[name])
-        seconds = sum(s for _, s in self.trials[name])
-        return tokens / seconds if seconds > 0 else None
+        steps = self._steps(name)
+        seconds = sum(s for _, s in steps)
+        return sum(t for t, _ in steps) / seconds if seconds > 0 else None
+
+    def spread(self, name: str) -> float:
+        """The standard error of `rate(name)` (a ratio of means: the spread of tokens − rate ×
+        seconds over the steps, ÷ the mean step time); infinite before two steps."""
+        steps, rate = self._steps(name), self.rate(name)
+        if len(steps) < 2 or rate is None:
+            return math.inf
+        mean_s = sum(s for _, s in steps) / len(steps)
+        residual = sum((t - rate * s) ** 2 for t, s in steps) / (len(steps) - 1)
+        return math.sqrt(residual / len(steps)) / mean_s
+
+    def _fastest(self) -> str:
+        return max(self._names, key=lambda n: self.rate(n) or 0.0)
 
     def leader(self) -> str:
         if any(len(self.trials[n]) < EVIDENCE for n in self._names):
-            return self._names[0]
-        return max(self._names, key=lambda n: self.rate(n) or 0.0)
+            return self.reference or self._names[0]
+        if self.reference is None:
+            return self._fastest()
+        ref = self.reference
+        beats = [
+            n for n in self._names
+            if n != ref and (self.rate(n) or 0.0) - (self.rate(ref) or 0.0)
+            > CONFIDENCE * math.hypot(self.spread(n), self.spread(ref))
+        ]  # fmt: skip
+        return max(beats, key=lambda n: self.rate(n) or 0.0) if beats else ref
 
     def _pick(self) -> str:
         if self._trial == 0 and self._since >= self._gap:
@@ -69,12 +111,12 @@ class Fastest:
             if not self._open:
                 self._leader = self.leader() if any(self.trials[n] for n in self._names) else None
                 for name in self._names:
-                    self.trials[name].append([0.0, 0.0])
+                    self.trials[name].append([])
                 self._open = True
             self._turn = (self._turn + 1) % len(self._names)
             return self._names[self._turn]
         self._since += 1
-        return self.leader()
+        return self._runs
 
     def feed(self, features: Tensor, next_ids: Tensor, position: int) -> None:
         for drafter in self.drafters.values():
@@ -87,17 +129,17 @@ class Fastest:
 
     def observe(self, draft: Draft, emitted: Sequence[int], seconds: float) -> None:
         if self._trial > 0:
-            tally = self.trials[self.active][-1]
-            tally[0] += len(emitted)
-            tally[1] += seconds
+            self.trials[self.active][-1].append((len(emitted), seconds))
             self._trial -= 1
             self._open = self._trial > 0
             if not self._open:  # the trial is over
-                kept = self._leader is not None and self.leader() == self._leader
-                if len(self.trials[self.active]) < EVIDENCE:
+                leader = self._runs = self.leader()
+                kept = self._leader is not None and leader == self._leader
+                doubt, self._doubt = self._doubt, self._fastest() != leader
+                if len(self.trials[self.active]) < EVIDENCE or (self._doubt and not doubt):
                     self._gap = FIRST_GAP
                 elif len(self.trials[self.active]) == EVIDENCE:  # the first comparison
-                    self._gap = EVERY
+                    self._gap = FIRST_GAP if self._doubt else EVERY
                 else:
                     self._gap = min(2 * self._gap, MAX_GAP) if kept else EVERY
         if (observe := getattr(self.drafters[self.active], "observe", None)) is not None:
