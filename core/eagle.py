@@ -8,6 +8,11 @@ t + 1, and drafts autoregressively from what it predicts.
   scale-free (the pre-norm ones have RMS ≈ 30 on the embedded model, which swamps the token
   loss), and the readout is the backbone's own lm_head on them, over a reduced draft
   vocabulary (EAGLE-3's draft-to-target map: the tokens the model itself writes most).
+- Multi-layer features (EAGLE-3): a drafter made with `taps` also reads the residual stream
+  after those decoder layers (EAGLE-3's low, middle and high: `eagle3_taps`), each RMS-scaled
+  and fused with the last feature into one by a linear map (`fuse`), on the committed
+  positions; a drafted position reads the draft's own output, as before. On the embedded
+  model this raised held-out first-token acceptance by about a third at equal training.
 - `EagleDrafter`: keeps the draft layer's own KV cache over the committed positions (fed the
   backbone's features as steps commit) and grows a dynamic tree by draft confidence
   (EAGLE-2): expand the most probable nodes depth by depth, then keep the most probable
@@ -36,16 +41,28 @@ class EagleDraft(nn.Module):
     """The draft model for one backbone. Only `fc`, the layer and `norm` are its own; the token
     embedding and the readout are the backbone's (frozen), read out over `vocab` only."""
 
-    def __init__(self, model: nn.Module, vocab: Tensor, input_norm: bool = True, output_norm: bool = True) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        vocab: Tensor,
+        input_norm: bool = True,
+        output_norm: bool = True,
+        taps: tuple[int, ...] = (),
+    ) -> None:
         """`input_norm` False: the layer reads fc's output as it is; `output_norm` False: the
-        layer's output is the predicted feature (EAGLE-1/2 checkpoints have neither norm)."""
+        layer's output is the predicted feature (EAGLE-1/2 checkpoints have neither norm);
+        `taps`: the backbone's hidden-state indices (the stream after that many decoder
+        layers) fused with the last feature on committed positions (none: the last only)."""
         super().__init__()
+        self.taps = tuple(sorted(set(taps)))
         config = copy.deepcopy(model.config.get_text_config())
         config.num_hidden_layers = 1
         config._attn_implementation = "sdpa"
         base = model.base_model
         hidden = config.hidden_size
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        if self.taps:
+            self.fuse = nn.Linear((len(self.taps) + 1) * hidden, hidden, bias=False)
         self.layer = type(base.layers[0])(config, 0)  # the backbone's own decoder layer class
         self.norm = type(base.norm)(hidden, eps=getattr(config, "rms_norm_eps", 1e-6))
         if not input_norm:
@@ -72,6 +89,14 @@ class EagleDraft(nn.Module):
     def readout_weight(self) -> Tensor:
         """(V_draft, H) the backbone's lm_head rows of the draft vocabulary."""
         return self._head[0].weight.detach()[self.vocab]
+
+    def fused(self, features: Tensor) -> Tensor:
+        """(…, (taps + 1)·H) the backbone's tapped streams then its last feature, as
+        `backbone_features` gives them → (…, H) the feature the draft reads at a committed
+        position (the last feature itself without taps)."""
+        if not self.taps:
+            return features
+        return self.fuse(scaled_taps(features, len(self.taps)))
 
     def embed(self, ids: Tensor) -> Tensor:
         return self._embed[0](ids).detach()
@@ -105,6 +130,22 @@ class EagleDraft(nn.Module):
         return predicted @ self.readout_weight.to(predicted.dtype).t()
 
 
+def eagle3_taps(layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, middle and high feature layers for a backbone of `layers` decoder layers
+    (the hidden-state indices: the stream entering layers 2, L // 2 and L − 3; below L, whose
+    hidden state in transformers is the final, normed one)."""
+    return tuple(sorted({min(t, layers - 1) for t in (2, layers // 2, max(layers - 3, 0))}))
+
+
+def scaled_taps(features: Tensor, taps: int) -> Tensor:
+    """(…, (taps + 1)·H) → the same with each tapped stream scaled to unit RMS (the residual
+    stream's scale grows with depth, to RMS ≈ 30 on the embedded model); the last feature,
+    already normed by the backbone, is kept as it is."""
+    parts = list(features.float().chunk(taps + 1, dim=-1))
+    parts[:taps] = [p * torch.rsqrt(p.pow(2).mean(-1, keepdim=True) + 1e-6) for p in parts[:taps]]
+    return torch.cat(parts, dim=-1).to(features.dtype)
+
+
 def init_from_backbone(draft: EagleDraft, model: nn.Module) -> None:
     """Warm start: the layer from the backbone's last decoder layer, the norm from its final norm,
     fc reading the feature straight through plus the embedding."""
@@ -116,6 +157,9 @@ def init_from_backbone(draft: EagleDraft, model: nn.Module) -> None:
         draft.fc.weight[:, :hidden].copy_(torch.eye(hidden))
         draft.fc.weight[:, hidden:].copy_(torch.eye(hidden))
         draft.fc.bias.zero_()
+        if draft.taps:  # the fused feature starts as the last feature alone
+            draft.fuse.weight.zero_()
+            draft.fuse.weight[:, -hidden:].copy_(torch.eye(hidden))
 
 
 # -- files ------------------------------------------------------------------------------------
@@ -138,6 +182,7 @@ def save_draft(file: Path, draft: EagleDraft, card: DrafterCard) -> None:
         "hidden_size": str(card.hidden_size),
         "acceptance": json.dumps(list(card.acceptance)),
         "norms": json.dumps({"input": draft.input_norm, "output": draft.output_norm}),
+        "taps": json.dumps(list(draft.taps)),
     }
     save_tensors(file, tensors, meta)
 
@@ -164,6 +209,7 @@ def load_draft(file: Path, model: nn.Module, model_name: str | None = None) -> t
             tuple(json.loads(meta.get("acceptance", "[]"))),
         )
         norms = json.loads(meta.get("norms", "{}"))
+        taps = tuple(int(t) for t in json.loads(meta.get("taps", "[]")))
     except (ValueError, TypeError):  # metadata damaged past its format tag
         raise not_ours from None
     if card.vocab_size != vocab or card.hidden_size != hidden or (model_name and card.model not in ("", model_name)):
@@ -171,7 +217,10 @@ def load_draft(file: Path, model: nn.Module, model_name: str | None = None) -> t
             f"The EAGLE drafter {file} was made for {card.model or 'another model'} "
             f"(vocabulary {card.vocab_size}, width {card.hidden_size}), not this one; train one for it."
         )
-    draft = EagleDraft(model, tensors["vocab"], norms.get("input", True), norms.get("output", True))
+    layers = model.config.get_text_config().num_hidden_layers
+    if any(not 0 <= t < layers for t in taps):
+        raise UserError(f"The EAGLE drafter {file} reads layers {list(taps)}; this model has {layers}.")
+    draft = EagleDraft(model, tensors["vocab"], norms.get("input", True), norms.get("output", True), taps)
     return fill(draft, tensors, str(file)), card
 
 

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from core import fast
 from core.drafters import continuations, with_branches
-from core.eagle import EagleDraft
+from core.eagle import EagleDraft, scaled_taps
 from core.errors import UserError
 from core.lookup import NgramIndex, node_count
 from core.retrieval import RETRIEVAL_LENGTH, Corpus
@@ -59,6 +59,8 @@ class LeanDraft:
         layer.to(device=device, dtype=dtype)
         fast.pack_layer(layer, kernel)
         self.fc = fast.PackedLinear(draft.fc.weight.to(dtype), draft.fc.bias.to(dtype), kernel)
+        self.taps = draft.taps
+        self.fuse = fast.PackedLinear(draft.fuse.weight.to(dtype), None, kernel) if draft.taps else None
         self.layer = fast.LeanLayer(layer, config, 0)
         self.native = fast.native_decoder([layer], config, [self.layer])
         self.rope = fast.Rope(draft.rotary, self.layer.head_dim, dtype)
@@ -67,6 +69,12 @@ class LeanDraft:
         self.vocab = draft.vocab
         self.embed = draft.embed
         self.dtype, self.device = dtype, device
+
+    def fused(self, features: Tensor) -> Tensor:
+        """`EagleDraft.fused` on the packed weights: the committed positions' (n, H) features."""
+        if self.fuse is None:
+            return features
+        return self.fuse(scaled_taps(features, len(self.taps)).to(self.dtype))
 
     def new_cache(self) -> fast.StaticKV:
         return fast.StaticKV(1, self.layer.kv_heads, self.layer.head_dim, self.dtype, device=self.device)
@@ -127,11 +135,17 @@ class EagleDrafter:
         self.root_only = build_tree([])
         self.last_choice = None
 
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """The backbone layers whose streams `feed` must carry before the last feature."""
+        return self.lean.taps
+
     # -- the committed positions --------------------------------------------------------------
 
     def feed(self, features: Tensor, next_ids: Tensor, position: int) -> None:
-        """The backbone's features at positions `position` … and the token after each (the last
-        one the next root). Position 0 starts a new reply."""
+        """The backbone's features at positions `position` … (with `taps`, the tapped streams
+        then the last feature, side by side) and the token after each (the last one the next
+        root). Position 0 starts a new reply."""
         if position == 0 or position != self.cache.length + self._pending_rows:
             self.cache.truncate(0)
             self._pending, self._pending_rows, self._last_out = [], 0, None
@@ -143,7 +157,7 @@ class EagleDrafter:
     def _flush(self) -> bool:
         """Run the pending rows into the draft's cache; False when it has nothing to draft from."""
         if self._pending:
-            features = torch.cat([f for f, _ in self._pending])
+            features = self.lean.fused(torch.cat([f for f, _ in self._pending]))
             ids = torch.cat([i for _, i in self._pending])
             past = self.cache.length
             positions = torch.arange(past, past + len(ids), device=ids.device)

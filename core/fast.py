@@ -18,6 +18,8 @@ SwiGLU MLP are served (`SUPPORTED`); everything else keeps the transformers forw
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -371,6 +373,8 @@ class FastForward:
         self.final_norm = _norm(base.norm, q4.ops(self.dtype))
         self.row_head = False  # a tree's logits a node at a time (set by `accelerate`, measured)
         self.native = native_decoder(base.layers, config, self.layers)  # every layer in one call, or None
+        self._modules, self._config = base.layers, config
+        self._segments: dict[tuple[int, ...], list[tuple[int, int, q4.Decoder]]] = {}
 
     def new_cache(self) -> StaticKV:
         return StaticKV(len(self.layers), self.kv_heads, self.head_dim, self.dtype)
@@ -380,6 +384,13 @@ class FastForward:
 
         `mask`: (1, 1, T, past + T) additive float mask, or None for causal attention. The T new
         keys and values are appended to the cache."""
+        return self.run(ids, positions, mask, cache)[0]
+
+    def run(
+        self, ids: Tensor, positions: Tensor, mask: Tensor | None, cache: StaticKV, taps: tuple[int, ...] = ()
+    ) -> tuple[Tensor, Tensor | None]:
+        """As calling it, and with `taps` (hidden-state indices, ascending: the stream after that
+        many layers) also (T, len(taps)·H) those streams side by side (None without taps)."""
         t, past = ids.numel(), cache.length
         cache.reserve(past + t)
         causal = mask is None and t > 1
@@ -387,22 +398,48 @@ class FastForward:
             mask, causal = causal_mask(t, past, self.dtype), False
         rope = self.rope(positions)
         x = self.embed(ids).contiguous()
-        if not run_native(self.native, x, rope, past, mask, causal, cache):
-            for layer in self.layers:
+        tapped: list[Tensor] = []
+        if not taps:
+            if not run_native(self.native, x, rope, past, mask, causal, cache):
+                for layer in self.layers:
+                    x = layer(x, rope, cache, past, mask, causal)
+        elif self.native is not None and q4.Ops.takes(t, mask, causal, x.dtype):
+            tapped += [x.clone()] if 0 in taps else []
+            for start, stop, decoder in self._segments_for(taps):
+                run_native(decoder, x, rope, past, mask, causal, cache, start)
+                if stop in taps:
+                    tapped.append(x.clone())
+        else:
+            tapped += [x.clone()] if 0 in taps else []
+            for i, layer in enumerate(self.layers, 1):
                 x = layer(x, rope, cache, past, mask, causal)
+                tapped += [x.clone()] if i in taps else []
         cache.length = past + t
-        return self.final_norm(x)
+        return self.final_norm(x), torch.cat(tapped, dim=-1) if taps else None
+
+    def _segments_for(self, taps: tuple[int, ...]) -> list[tuple[int, int, q4.Decoder]]:
+        """The library's decoders over the layers between consecutive taps (built once per taps)."""
+        if taps not in self._segments:
+            bounds = sorted({0, *taps, len(self.layers)})
+            self._segments[taps] = [
+                (a, b, native_decoder(self._modules[a:b], self._config, self.layers[a:b]))
+                for a, b in itertools.pairwise(bounds)
+            ]
+        return self._segments[taps]
 
 
-def run_native(decoder: q4.Decoder | None, x: Tensor, rope, past: int, mask, causal: bool, cache: StaticKV) -> bool:
+def run_native(
+    decoder: q4.Decoder | None, x: Tensor, rope, past: int, mask, causal: bool, cache: StaticKV, first: int = 0
+) -> bool:
     """Run the decoder layers in the library (x updated in place) where it takes this step:
-    up to `q4.Ops.MAX_ROWS` rows, not a causal block (a prompt's prefill). False: it did not."""
+    up to `q4.Ops.MAX_ROWS` rows, not a causal block (a prompt's prefill). False: it did not.
+    `first`: the cache layer the decoder's first layer writes (a decoder over some layers)."""
     t = x.shape[0]
     if decoder is None or not q4.Ops.takes(t, mask, causal, x.dtype):
         return False
     cos, sin = (r.reshape(t, -1).contiguous() for r in rope)
     seen = None if mask is None else mask[0, 0].contiguous()
-    decoder(x, cos, sin, past, seen, cache.keys, cache.values)
+    decoder(x, cos, sin, past, seen, cache.keys[first:], cache.values[first:])
     return True
 
 

@@ -119,12 +119,13 @@ def stream(
 
     with torch.inference_mode():
         # 1) prefill: the prompt into the cache, the backbone's first token
-        fwd = prefill(model, cache, torch.tensor(prompt_ids, device=device))
+        taps = getattr(drafter, "taps", ())  # layers whose streams the drafter reads too (EAGLE-3)
+        fwd = prefill(model, cache, torch.tensor(prompt_ids, device=device), taps)
         root = first_token(fwd, settings, generator)
         hidden = fwd.hidden[-1]
         feed = getattr(drafter, "feed", None)  # drafters that read every committed feature (EAGLE)
         if feed is not None:
-            feed(fwd.features, torch.tensor([*prompt_ids[1:], int(root)], device=device), 0)
+            feed(fwd.backbone_features(), torch.tensor([*prompt_ids[1:], int(root)], device=device), 0)
         new, reason = _trim([int(root)], out, eos, limit)
         out += new
         history = [*prompt_ids, *new]
@@ -146,13 +147,13 @@ def stream(
             if prefix_len + draft.tree.max_depth >= context:  # the tree would need positions the model lacks
                 draft = plain.propose(hidden, root)
             drafting = time.perf_counter() - t0
-            fwd = verify(model, cache, draft)
+            fwd = verify(model, cache, draft, taps)
             result = accept(fwd, draft, settings, generator)
             commit(cache, prefix_len, result)
             hidden, root = fwd.hidden[result.path[-1]], result.next_token
             emitted = torch.cat([draft.tokens[result.path[1:]], root.view(1)])
             if feed is not None:
-                feed(fwd.hidden[result.path], emitted, prefix_len)
+                feed(fwd.backbone_features(result.path), emitted, prefix_len)
             tokens = emitted.tolist()
             if observe := getattr(drafter, "observe", None):  # adaptive drafters learn from each step
                 observe(draft, tokens, time.perf_counter() - t0)

@@ -86,6 +86,15 @@ class Forward:
     logits: Tensor | RowLogits  # (T, V) the backbone's next-token logits at each input position
     hidden: Tensor  # (T, H) last hidden state (after the final norm) at each position
     features: Tensor | None = None  # prefill: (n, H) the hidden state at every prompt position
+    taps: Tensor | None = None  # (T or n, taps·H) the streams a drafter asked for, at the same positions
+
+    def backbone_features(self, rows: Tensor | None = None) -> Tensor:
+        """What a feature-reading drafter (EAGLE) is fed at `rows` (None: every prompt position
+        of a prefill): the tapped streams, then the last hidden state."""
+        last = self.features if rows is None else self.hidden[rows]
+        if self.taps is None:
+            return last
+        return torch.cat([self.taps if rows is None else self.taps[rows], last], dim=-1)
 
 
 def project(model: PreTrainedModel, hidden: Tensor) -> Tensor:
@@ -95,24 +104,28 @@ def project(model: PreTrainedModel, hidden: Tensor) -> Tensor:
     return torch.tanh(logits / cap) * cap if cap else logits
 
 
-def prefill(model: PreTrainedModel, cache: kv.Cache, ids: Tensor) -> Forward:
-    """Run the prompt (n,) into the cache; logits and hidden state of its last position."""
+def prefill(model: PreTrainedModel, cache: kv.Cache, ids: Tensor, taps: tuple[int, ...] = ()) -> Forward:
+    """Run the prompt (n,) into the cache; logits and hidden state of its last position (and
+    with `taps`, the streams after that many layers at every position)."""
     if isinstance(cache, fast.StaticKV):
         past = cache.length
-        every = fast.forward_of(model)(ids, torch.arange(past, past + ids.numel(), device=ids.device), None, cache)
+        positions = torch.arange(past, past + ids.numel(), device=ids.device)
+        every, tapped = fast.forward_of(model).run(ids, positions, None, cache, taps)
     else:
-        out = model.base_model(input_ids=ids.view(1, -1), past_key_values=cache, use_cache=True)
-        every = out.last_hidden_state[0]  # (n, H)
+        out = model.base_model(
+            input_ids=ids.view(1, -1), past_key_values=cache, use_cache=True, output_hidden_states=bool(taps)
+        )
+        every, tapped = out.last_hidden_state[0], _tapped(out, taps)  # (n, H)
     hidden = every[-1:]
-    return Forward(project(model, hidden), hidden, every)
+    return Forward(project(model, hidden), hidden, every, tapped)
 
 
-def verify(model: PreTrainedModel, cache: kv.Cache, draft: Draft) -> Forward:
+def verify(model: PreTrainedModel, cache: kv.Cache, draft: Draft, taps: tuple[int, ...] = ()) -> Forward:
     """One forward over every tree node on top of the committed prefix in `cache`."""
     past = kv.length(cache)
-    hidden = decoder_layers(model, cache, draft, tree_mask(model, draft, past), past)
+    hidden, tapped = decoder_layers(model, cache, draft, tree_mask(model, draft, past), past, taps)
     by_row = draft.tree.size > 1 and fast.row_head(model)
-    return Forward(RowLogits(model, hidden) if by_row else project(model, hidden), hidden)
+    return Forward(RowLogits(model, hidden) if by_row else project(model, hidden), hidden, taps=tapped)
 
 
 def tree_mask(model: PreTrainedModel, draft: Draft, past: int) -> Tensor | None:
@@ -121,19 +134,28 @@ def tree_mask(model: PreTrainedModel, draft: Draft, past: int) -> Tensor | None:
     return None if draft.tree.size == 1 else draft.tree.attention_mask(past, model.dtype)
 
 
-def decoder_layers(model: PreTrainedModel, cache: kv.Cache, draft: Draft, mask: Tensor | None, past: int) -> Tensor:
+def decoder_layers(
+    model: PreTrainedModel, cache: kv.Cache, draft: Draft, mask: Tensor | None, past: int, taps: tuple[int, ...] = ()
+) -> tuple[Tensor, Tensor | None]:
     """(T, H) last hidden states of the tree nodes (embedding, decoder layers, final norm),
-    at positions prefix length + depth; the nodes are appended to `cache`."""
+    at positions prefix length + depth, and (T, taps·H) the streams at `taps` (None without);
+    the nodes are appended to `cache`."""
     if isinstance(cache, fast.StaticKV):
-        return fast.forward_of(model)(draft.tokens, draft.tree.depth + past, mask, cache)
+        return fast.forward_of(model).run(draft.tokens, draft.tree.depth + past, mask, cache, taps)
     out = model.base_model(
         input_ids=draft.tokens.view(1, -1),
         attention_mask=mask,
         position_ids=(draft.tree.depth + past).view(1, -1),
         past_key_values=cache,
         use_cache=True,
+        output_hidden_states=bool(taps),
     )
-    return out.last_hidden_state[0]
+    return out.last_hidden_state[0], _tapped(out, taps)
+
+
+def _tapped(out, taps: tuple[int, ...]) -> Tensor | None:
+    """(T, taps·H) a transformers output's hidden states at `taps`, side by side."""
+    return torch.cat([out.hidden_states[t][0] for t in taps], dim=-1) if taps else None
 
 
 def accept(forward: Forward, draft: Draft, settings: DecodeSettings, generator: torch.Generator | None) -> Acceptance:

@@ -58,7 +58,7 @@ def test_training_passes_compute_what_drafting_computes():
     draft = _draft(model)
     seq = _sequence(model)
     to_draft = eagle_train.to_draft_index(draft.vocab, draft.vocab_size)
-    batch = eagle_train.make_batch([seq], to_draft)
+    batch = eagle_train.make_batch([seq], to_draft, 64)
     with torch.inference_mode():
         outs = eagle_train.passes_forward(draft, batch, 3)
         lean = LeanDraft(copy.deepcopy(draft), torch.float32)
@@ -84,7 +84,7 @@ def test_drafter_offers_the_draft_layers_own_top_tokens():
     s = 6
     with torch.inference_mode():
         expected = draft.logits(eagle_train.passes_forward(
-            draft, eagle_train.make_batch([seq], eagle_train.to_draft_index(draft.vocab, 96)), 1
+            draft, eagle_train.make_batch([seq], eagle_train.to_draft_index(draft.vocab, 96), 64), 1
         )[0][0, s]).topk(3).indices.tolist()  # fmt: skip
         drafter = EagleDrafter(copy.deepcopy(draft), torch.float32, lookup=False, budget=3)
         drafter.feed(seq.features[: s + 1], seq.ids[1 : s + 2], 0)

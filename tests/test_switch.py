@@ -94,6 +94,7 @@ def noisy(name: str, step: int) -> int:
 def test_with_a_reference_only_a_measurably_faster_drafter_replaces_it():
     """Plain decoding keeps running against a drafter 5 % slower whose steps' tokens vary (so
     a trial's rate can favour it by luck), and gives way to one faster by more than the noise."""
+
     def tokens(name, step):
         return 1 if name == "plain" else noisy(name, step)
 

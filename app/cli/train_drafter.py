@@ -16,6 +16,7 @@ HELP = (
     "eagle: a trained EAGLE draft layer)"
 )
 KINDS = ("retrieval", "eagle")
+FEATURES = ("eagle3", "last")  # the EAGLE draft's inputs: multi-layer (the default) or the last layer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,6 +39,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     eagle.add_argument("--lr", type=float, default=1e-3)
     eagle.add_argument("--passes", type=int, default=3, help="training-time test: draft depths trained together")
     eagle.add_argument("--draft-vocab", type=int, default=8192, help="tokens the draft reads out over")
+    eagle.add_argument(
+        "--features",
+        choices=FEATURES,
+        default=FEATURES[0],
+        help="what the draft reads at committed positions: eagle3 fuses three layers' streams (low, middle, "
+        "high) with the last feature; last reads the last feature only (EAGLE-1/2)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

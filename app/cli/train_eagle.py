@@ -19,17 +19,19 @@ def train_eagle(
 ) -> int:
     from tqdm.auto import tqdm
 
-    from core.eagle import DrafterCard, EagleDraft, init_from_backbone, save_draft
+    from core.eagle import DrafterCard, EagleDraft, eagle3_taps, init_from_backbone, save_draft
     from core.tune import eagle_train, replies
     from models.loader import load_stock
 
     if args.epochs < 1 or args.passes < 1 or args.draft_vocab < 2:
         raise UserError("--epochs and --passes must be at least 1 and --draft-vocab at least 2.")
     stock = load_stock(backbone, torch.bfloat16)  # batched features: bf16 on unpacked weights is fastest
+    layers = stock.config.get_text_config().num_hidden_layers
+    taps = eagle3_taps(layers) if args.features == "eagle3" else ()
     started = time.perf_counter()
     with tqdm(total=len(records), desc="features", unit="reply") as bar:
         seqs = eagle_train.features(
-            stock, records, work / "features", progress=lambda done, total: bar.update(done - bar.n)
+            stock, records, work / "features", progress=lambda done, total: bar.update(done - bar.n), taps=taps
         )
     featuring = time.perf_counter() - started
     by_index = {r["index"]: s for r, s in zip(records, seqs, strict=True)}
@@ -37,7 +39,7 @@ def train_eagle(
     train_seqs = [by_index[r["index"]] for r in kept]
     held_seqs = [by_index[r["index"]] for r in held]
     vocab = eagle_train.draft_vocab(kept, args.draft_vocab)
-    draft = EagleDraft(stock, vocab)
+    draft = EagleDraft(stock, vocab, taps=taps)
     init_from_backbone(draft, stock)
     draft.float()
     total = eagle_train.total_batches(train_seqs, args.epochs, args.seed)
@@ -70,7 +72,7 @@ def train_eagle(
     card = {
         "model": args.model, "kind": "eagle", "prompts": len(records), "replies_trained": len(kept),
         "replies_held_out": len(held), "train_tokens": sum(len(r["answer_ids"]) for r in kept),
-        "draft_vocab": len(vocab), "held_out_vocab_coverage": round(coverage, 4),
+        "draft_vocab": len(vocab), "held_out_vocab_coverage": round(coverage, 4), "taps": list(taps),
         "epochs": args.epochs, "best_epoch": best_epoch, "passes": args.passes, "lr": args.lr,
         "answered_this_run": answered, "answering_seconds": round(answering), "feature_seconds": round(featuring),
         "training_seconds": round(training), "threads": torch.get_num_threads(), "held_out": result,
@@ -88,7 +90,8 @@ def _card(card: dict) -> str:
     return (
         f"# EAGLE drafter for {card['model']}\n\n"
         "One decoder layer of the model's own architecture on fc([feature; token embedding]), read out "
-        f"with the model's lm_head over its {card['draft_vocab']} most written tokens "
+        f"with the model's lm_head (the feature: {_reads(card.get('taps', []))}) over its "
+        f"{card['draft_vocab']} most written tokens "
         f"({card['held_out_vocab_coverage']:.1%} of held-out reply tokens), made by "
         "`medusa-chat train-drafter --kind eagle`.\n\n"
         f"- Data: the model's greedy replies to {card['prompts']} seed prompts; {card['replies_trained']} train "
@@ -103,4 +106,13 @@ def _card(card: dict) -> str:
         f"| depth | accepted |\n|---|---|\n{depths}\n\n"
         f"A chain of {len(held['acceptance'])} would give {held['chain_tokens_per_step']:.2f} tokens per step; "
         "the dynamic tree gives more (see `medusa-chat bench`).\n"
+    )
+
+
+def _reads(taps: list[int]) -> str:
+    if not taps:
+        return "the model's last hidden state"
+    return (
+        f"its last hidden state fused with the streams after layers {', '.join(map(str, taps))}, EAGLE-3's "
+        "multi-layer features"
     )

@@ -2,7 +2,8 @@
 same transcripts (the model's greedy replies to the seed prompts).
 
 1) features: one backbone pass per batch of transcripts gives the feature (last hidden state
-   after the final norm) at every position; saved in chunks, so an interrupted run resumes.
+   after the final norm) at every position, after the streams at the draft's `taps` (EAGLE-3's
+   multi-layer features) where it has them; saved in chunks, so an interrupted run resumes.
 2) train: row t reads (feature t, token t + 1) and learns feature t + 1 (SmoothL1) and token
    t + 2 (cross-entropy over the draft vocabulary), on reply positions. Training-time test
    (EAGLE-3): pass k feeds each row the feature pass k − 1 predicted one position earlier,
@@ -38,7 +39,7 @@ DRAFT_VOCAB = 8192  # tokens the draft reads out over (97 % of the embedded mode
 @dataclass(frozen=True)
 class Sequence:
     ids: Tensor  # (n,) prompt then reply
-    features: Tensor  # (n, H) bf16
+    features: Tensor  # (n, (taps + 1)·H) bf16: the tapped streams, then the last feature
     prompt: int  # prompt length
 
 
@@ -54,36 +55,42 @@ def features(
     work: Path,
     batch_size: int = 16,
     progress: Callable[[int, int], None] = lambda done, total: None,
+    taps: tuple[int, ...] = (),
 ) -> list[Sequence]:
     """Every transcript's features, computed in chunks of `CHUNK` transcripts (kept in `work`;
-    a rerun loads the chunks already made)."""
+    a rerun loads the chunks already made with the same `taps`)."""
     work.mkdir(parents=True, exist_ok=True)
     out: list[Sequence] = []
     for c in range(0, len(records), CHUNK):
         chunk = records[c : c + CHUNK]
         file = work / f"features-{c // CHUNK:04d}.safetensors"
-        loaded = _load_chunk(file, len(chunk))
+        meta = {"records": str(len(chunk)), "taps": json.dumps(list(taps))}
+        loaded = _load_chunk(file, meta)
         if loaded is None:
-            loaded = _chunk_features(model, chunk, batch_size)
+            loaded = _chunk_features(model, chunk, batch_size, taps)
             tensors = {f"{i}.features": s.features.contiguous() for i, s in enumerate(loaded)}
             tensors |= {f"{i}.ids": s.ids for i, s in enumerate(loaded)}
-            save_tensors(file, tensors, {"records": str(len(chunk))})
+            save_tensors(file, tensors, meta)
         out += [Sequence(s.ids, s.features, len(r["prompt_ids"])) for s, r in zip(loaded, chunk, strict=True)]
         progress(len(out), len(records))
     return out
 
 
-def _load_chunk(file: Path, records: int) -> list[Sequence] | None:
+def _load_chunk(file: Path, meta: dict[str, str]) -> list[Sequence] | None:
     try:
         with safe_open(str(file), "pt") as f:
-            if (f.metadata() or {}).get("records") != str(records):
+            found = f.metadata() or {}
+            if any(found.get(k, "[]" if k == "taps" else None) != v for k, v in meta.items()):
                 return None
+            records = int(meta["records"])
             return [Sequence(f.get_tensor(f"{i}.ids"), f.get_tensor(f"{i}.features"), 0) for i in range(records)]
     except (OSError, ValueError, RuntimeError, SafetensorError):
         return None
 
 
-def _chunk_features(model: PreTrainedModel, chunk: list[dict], batch_size: int) -> list[Sequence]:
+def _chunk_features(
+    model: PreTrainedModel, chunk: list[dict], batch_size: int, taps: tuple[int, ...]
+) -> list[Sequence]:
     seqs = [r["prompt_ids"] + r["answer_ids"] for r in chunk]
     result: list[Sequence | None] = [None] * len(seqs)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
@@ -93,7 +100,8 @@ def _chunk_features(model: PreTrainedModel, chunk: list[dict], batch_size: int) 
             width = max(len(seqs[i]) for i in batch)
             ids = torch.tensor([seqs[i] + [0] * (width - len(seqs[i])) for i in batch], device=model.device)
             mask = torch.tensor([[1] * len(seqs[i]) + [0] * (width - len(seqs[i])) for i in batch])
-            hidden = model.base_model(input_ids=ids, attention_mask=mask.to(model.device)).last_hidden_state
+            out = model.base_model(input_ids=ids, attention_mask=mask.to(model.device), output_hidden_states=bool(taps))
+            hidden = torch.cat([*(out.hidden_states[t] for t in taps), out.last_hidden_state], dim=-1)
             for row, i in enumerate(batch):
                 n = len(seqs[i])
                 result[i] = Sequence(ids[row, :n].cpu(), hidden[row, :n].to(torch.bfloat16).cpu().clone(), 0)
@@ -125,21 +133,21 @@ class Batch:
     ids: Tensor  # (B, L) tokens t + 1 (0 past the end)
     feature_targets: Tensor  # (B, L, H) features t + 1
     token_targets: Tensor  # (B, L) draft-vocabulary index of token t + 2, -100 where not learned
-    lengths: list[int]
+    lengths: list[int]  # the draft reads draft.fused(features); feature_targets are last features
 
 
-def make_batch(seqs: list[Sequence], to_draft: Tensor) -> Batch:
-    """Rows t = 0 … n − 2 of each sequence; tokens learned on reply positions (t + 2 ≥ prompt)."""
+def make_batch(seqs: list[Sequence], to_draft: Tensor, hidden: int) -> Batch:
+    """Rows t = 0 … n − 2 of each sequence; tokens learned on reply positions (t + 2 ≥ prompt).
+    `hidden`: the width of the last feature (the last columns of a sequence's features)."""
     width = max(len(s.ids) - 1 for s in seqs)
-    hidden = seqs[0].features.shape[1]
-    feats = torch.zeros(len(seqs), width, hidden, dtype=torch.bfloat16)
-    targets = torch.zeros_like(feats)
+    feats = torch.zeros(len(seqs), width, seqs[0].features.shape[1], dtype=torch.bfloat16)
+    targets = torch.zeros(len(seqs), width, hidden, dtype=torch.bfloat16)
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
     tokens = torch.full((len(seqs), width), -100, dtype=torch.long)
     for b, s in enumerate(seqs):
         n = len(s.ids) - 1
         feats[b, :n] = s.features[:n]
-        targets[b, :n] = s.features[1 : n + 1]
+        targets[b, :n] = s.features[1 : n + 1, -hidden:]
         ids[b, :n] = s.ids[1 : n + 1]
         start = max(s.prompt - 2, 0)
         tokens[b, start : n - 1] = to_draft[s.ids[start + 2 : n + 1]]
@@ -152,12 +160,13 @@ def passes_forward(draft: EagleDraft, batch: Batch, passes: int) -> list[Tensor]
     positions = torch.arange(width)[None].expand(len(batch.lengths), -1)
     masks = pass_mask(batch.lengths, width, passes, torch.float32)
     cache = DynamicCache()
-    inputs = batch.features.float()
+    true = draft.fused(batch.features.float())  # what the draft reads at a committed position
+    inputs = true
     outs = []
     for k in range(passes):
         out = draft(inputs, batch.ids, positions, masks[k], cache)
         outs.append(out)
-        inputs = torch.cat([batch.features[:, :1].float(), out[:, :-1].float()], dim=1)  # shifted one row
+        inputs = torch.cat([true[:, :1], out[:, :-1].float()], dim=1)  # shifted one row
     return outs
 
 
@@ -204,7 +213,7 @@ def train_epoch(
     """One epoch over `order`; yields each batch's loss."""
     draft.train()
     for group in batches(seqs, tokens_per_batch, order):
-        batch = make_batch(group, to_draft)
+        batch = make_batch(group, to_draft, draft.fc.out_features)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             outs = passes_forward(draft, batch, passes)
             loss = loss_of(draft, outs, batch, token_weight, decay)
@@ -228,7 +237,7 @@ def evaluate(
     loss = 0.0
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
         for group in batches(seqs, tokens_per_batch, list(range(len(seqs)))):
-            batch = make_batch(group, to_draft)
+            batch = make_batch(group, to_draft, draft.fc.out_features)
             outs = passes_forward(draft, batch, passes)
             loss += float(loss_of(draft, outs, batch, 1.0, 1.0)) * len(group)
             per_pass = [draft.logits(o).argmax(-1) == batch.token_targets for o in outs]  # (B, L)

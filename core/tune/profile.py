@@ -179,7 +179,7 @@ def _parts(model, cache, past: int, draft: Draft, settings: DecodeSettings, repe
     tree = draft.tree
     with torch.inference_mode():
         mask = tree_mask(model, draft, past)
-        hidden = decoder_layers(model, cache, draft, mask, past)
+        hidden = decoder_layers(model, cache, draft, mask, past)[0]
         kv.truncate(cache, past)
         fwd = Forward(project(model, hidden), hidden)
         result = accept(fwd, draft, settings, None)

@@ -118,6 +118,11 @@ class Fastest:
         self._since += 1
         return self._runs
 
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """The layers a contender reads the backbone's streams at (EAGLE-3's; one such contender)."""
+        return next((t for d in self.drafters.values() if (t := getattr(d, "taps", ()))), ())
+
     def feed(self, features: Tensor, next_ids: Tensor, position: int) -> None:
         for drafter in self.drafters.values():
             if (feed := getattr(drafter, "feed", None)) is not None:
