@@ -40,6 +40,20 @@ def _sequence(model, n: int = 14, seed: int = 0) -> eagle_train.Sequence:
     return eagle_train.Sequence(ids, features.to(torch.bfloat16), 3)  # stored as training stores them
 
 
+def test_cached_features_are_remade_when_the_transcripts_changed(tmp_path):
+    model = tiny_model("llama")
+    records = [{"prompt_ids": [1, 5, 9], "answer_ids": [20, 21]}, {"prompt_ids": [1, 4], "answer_ids": [30]}]
+    first = eagle_train.features(model, records, tmp_path)
+    longer = [dict(r, answer_ids=r["answer_ids"] + [40, 41]) for r in records]  # continued replies
+    again = eagle_train.features(model, longer, tmp_path)
+    for seq, record in zip(again, longer, strict=True):
+        assert seq.ids.tolist() == record["prompt_ids"] + record["answer_ids"]
+    with torch.inference_mode():
+        expected = model.base_model(input_ids=torch.tensor([longer[0]["prompt_ids"] + longer[0]["answer_ids"]]))
+    torch.testing.assert_close(again[0].features, expected.last_hidden_state[0].to(torch.bfloat16))
+    assert len(first[0].ids) == 5
+
+
 def test_pass_masks_show_each_row_the_true_rows_and_its_own_drafted_ancestors():
     masks = eagle_train.pass_mask([5], 5, 3, torch.float32)
     seen = [m[0, 0] == 0 for m in masks]

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from core.fast import forward_of
 from core.generate import collect, stream
 from core.settings import DecodeSettings
 from core.tune import train
@@ -54,6 +55,47 @@ def test_distill_matches_greedy_decoding_and_resumes(tmp_path):
     again = train.read_records(out)
     assert again[:2] == first[:2] and sorted(r["index"] for r in again) == [0, 1, 2, 3, 4]
     assert {r["index"]: r["answer_ids"] for r in again} == {r["index"]: r["answer_ids"] for r in first}
+
+
+def test_on_a_cpu_the_lean_forward_answers_one_at_a_time_as_batches_do(tmp_path):
+    eos, pad = (95,), 0
+    batched, lean = tmp_path / "batched.jsonl", tmp_path / "lean.jsonl"
+    train.distill(tiny_model("llama"), PROMPTS, batched, eos, pad, batch_size=3, max_new_tokens=8)
+    model = tiny_model("llama+dense")  # the same weights, served by core.fast
+    assert forward_of(model) is not None
+    train.distill(model, PROMPTS, lean, eos, pad, batch_size=3, max_new_tokens=8)
+    assert sorted(map(str, train.read_records(lean))) == sorted(map(str, train.read_records(batched)))
+
+
+def test_a_rerun_with_a_higher_cap_continues_the_replies_it_cut(tmp_path):
+    model = tiny_model("llama")
+    eos, pad = (95,), 0
+    whole = tmp_path / "whole.jsonl"
+    train.distill(model, PROMPTS, whole, eos, pad, batch_size=2, max_new_tokens=12)
+    expected = {r["index"]: r["answer_ids"] for r in train.read_records(whole)}
+
+    out = tmp_path / "transcripts.jsonl"
+    train.distill(model, PROMPTS, out, eos, pad, batch_size=2, max_new_tokens=4)
+    short = {r["index"]: r["answer_ids"] for r in train.read_records(out)}
+    cut = [i for i, a in short.items() if train.unfinished({"answer_ids": a}, eos, 12)]
+    assert cut, "the tiny model should run into the low cap"
+    assert train.distill(model, PROMPTS, out, eos, pad, batch_size=2, max_new_tokens=12) == len(cut)
+    longer = {r["index"]: r["answer_ids"] for r in train.read_records(out)}
+    assert longer == expected  # continuing a cut reply gives what one longer run gives
+    assert train.distill(model, PROMPTS, out, eos, pad, batch_size=2, max_new_tokens=12) == 0
+
+
+def test_cached_head_features_belong_to_the_transcripts_they_came_from(tmp_path):
+    model = tiny_model("llama")
+    records = [{"index": 0, "prompt_ids": [1, 5, 9], "answer_ids": [20, 21, 22, 23]}]
+    continued = [dict(records[0], answer_ids=[20, 21, 22, 23, 24])]  # as many records, another reply
+    key, other = train.transcripts_key(records), train.transcripts_key(continued)
+    assert key != other
+    data = train.features(model, records, num_heads=2)
+    data.save(tmp_path / "features.safetensors", key)
+    assert train.Features.load(tmp_path / "features.safetensors", other, 2) is None
+    loaded = train.Features.load(tmp_path / "features.safetensors", key, 2)
+    assert loaded is not None and loaded.targets.tolist() == data.targets.tolist()
 
 
 def test_training_learns_a_learnable_target():

@@ -164,14 +164,14 @@ def setup(args: argparse.Namespace, kinds: tuple[str, ...] | None, fixed: tuple[
 
 def answer_prompts(backbone, prompts: list[str], transcripts: Path, batch_size: int, max_new_tokens: int) -> int:
     """The model's greedy replies to `prompts`, appended to `transcripts` batch by batch with a
-    progress bar (a rerun resumes); returns how many this run answered."""
+    progress bar (a rerun resumes, and continues replies an earlier run cut shorter); returns how
+    many this run answered."""
     from tqdm.auto import tqdm
 
     from core.tune import train
 
     encoded = [backbone.encode_chat(p) for p in prompts]
     with tqdm(total=len(prompts), desc="answering prompts", unit="prompt") as bar:
-        bar.update(train.done_records(transcripts))
         return train.distill(
             backbone.model, encoded, transcripts, backbone.eos_ids, backbone.pad_id, batch_size, max_new_tokens,
             lambda done, total: bar.update(done - bar.n),

@@ -59,12 +59,13 @@ def run(args: argparse.Namespace) -> int:
 
     # 2) hidden states, once, cached next to the transcripts
     cached = work / "features.safetensors"
-    data = train.Features.load(cached, len(records), args.num_heads)
+    key = train.transcripts_key(records)
+    data = train.Features.load(cached, key, args.num_heads)
     if data is None:
         data = train.features(
             model, records, args.num_heads, lambda rs: tqdm(rs, desc="hidden states", unit="transcript")
         )
-        data.save(cached, len(records))
+        data.save(cached, key)
 
     # 3) training; the epoch with the lowest held-out loss is kept
     lm_head = model.get_output_embeddings()

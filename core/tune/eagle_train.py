@@ -58,7 +58,7 @@ def features(
     taps: tuple[int, ...] = (),
 ) -> list[Sequence]:
     """Every transcript's features, computed in chunks of `CHUNK` transcripts (kept in `work`;
-    a rerun loads the chunks already made with the same `taps`)."""
+    a rerun loads the chunks already made with the same `taps` from the same transcripts)."""
     work.mkdir(parents=True, exist_ok=True)
     out: list[Sequence] = []
     for c in range(0, len(records), CHUNK):
@@ -66,7 +66,7 @@ def features(
         file = work / f"features-{c // CHUNK:04d}.safetensors"
         meta = {"records": str(len(chunk)), "taps": json.dumps(list(taps))}
         loaded = _load_chunk(file, meta)
-        if loaded is None:
+        if loaded is None or [s.ids.tolist() for s in loaded] != [r["prompt_ids"] + r["answer_ids"] for r in chunk]:
             loaded = _chunk_features(model, chunk, batch_size, taps)
             tensors = {f"{i}.features": s.features.contiguous() for i, s in enumerate(loaded)}
             tensors |= {f"{i}.ids": s.ids for i, s in enumerate(loaded)}

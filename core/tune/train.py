@@ -12,6 +12,7 @@ This module knows heads only as a module mapping (…, H) hidden states to (…,
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -25,7 +26,10 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from core.errors import UserError
+from core.fast import forward_of
 from core.files import save_tensors
+from core.generate import collect, stream
+from core.settings import DecodeSettings
 
 # -- 1) self-distillation ---------------------------------------------------------------------
 
@@ -59,26 +63,52 @@ def distill(
 ) -> int:
     """Greedy answers to `prompts` (token ids), appended to `out_file`; returns records written.
 
-    A record keeps its prompt's index: a rerun skips the indices already in the file. Prompts
+    A record keeps its prompt's index: a rerun skips the replies already finished (ended by an
+    end-of-turn token or `max_new_tokens` long) and continues those an earlier run cut at a lower
+    cap, appending the longer reply (`read_records` keeps the last record of an index). Prompts
     are sorted by length so batches pad little."""
-    done = {r["index"] for r in read_records(out_file)} if done_records(out_file) else set()
-    todo = sorted((i for i in range(len(prompts)) if i not in done), key=lambda i: len(prompts[i]))
+    done_records(out_file)  # drops a line an interruption cut
+    have = {r["index"]: r for r in read_records(out_file)} if out_file.exists() else {}
+    finished = {i for i, r in have.items() if not unfinished(r, eos_ids, max_new_tokens)}
+    todo = sorted(
+        (i for i in range(len(prompts)) if i not in finished),
+        key=lambda i: len(prompts[i]) + len(have[i]["answer_ids"] if i in have else ()),
+    )
     written = 0
     out_file.parent.mkdir(parents=True, exist_ok=True)
+    progress(len(finished), len(prompts))
     for b in range(0, len(todo), batch_size):
         batch = todo[b : b + batch_size]
-        answers = greedy_answers(model, [prompts[i] for i in batch], eos_ids, pad_id, max_new_tokens)
+        so_far = [have[i]["answer_ids"] if i in have else [] for i in batch]
+        budget = max_new_tokens - min(map(len, so_far))
+        answers = greedy_answers(model, [prompts[i] + a for i, a in zip(batch, so_far, strict=True)], eos_ids,
+                                 pad_id, budget)  # fmt: skip
         with out_file.open("a", encoding="utf-8") as f:
-            for i, answer in zip(batch, answers, strict=True):
+            for i, start, more in zip(batch, so_far, answers, strict=True):
+                answer = start + more[: max_new_tokens - len(start)]
                 f.write(json.dumps({"index": i, "prompt_ids": prompts[i], "answer_ids": answer}) + "\n")
         written += len(batch)
-        progress(len(done) + written, len(prompts))
+        progress(len(finished) + written, len(prompts))
     return written
+
+
+def unfinished(record: dict, eos_ids: tuple[int, ...], max_new_tokens: int) -> bool:
+    """Whether a reply stopped at a cap below `max_new_tokens` rather than at an end of turn."""
+    answer = record["answer_ids"]
+    return len(answer) < max_new_tokens and not (answer and answer[-1] in eos_ids)
 
 
 def greedy_answers(
     model: PreTrainedModel, prompts: list[list[int]], eos_ids: tuple[int, ...], pad_id: int, max_new_tokens: int
 ) -> list[list[int]]:
+    """Each prompt's greedy reply, up to and with its end-of-turn token.
+
+    On a CPU with the lean forward (`core.fast`), one prompt at a time through the project's own
+    decoding loop: batching through transformers' `generate` re-copies the whole cache every step
+    and runs 2–3× slower there. Elsewhere (a GPU), left-padded batches through `generate`."""
+    if forward_of(model) is not None and model.device.type == "cpu":
+        settings = DecodeSettings(max_new_tokens=max_new_tokens)
+        return [list(collect(stream(model, p, settings, eos_ids=eos_ids))[1].token_ids) for p in prompts]
     width = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=model.device)  # left padding
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
@@ -94,8 +124,17 @@ def greedy_answers(
     return answers
 
 
+def transcripts_key(records: Iterable[dict]) -> str:
+    """A digest of the transcripts' token ids: cached features are reused only for the same ones
+    (a rerun may have continued replies without changing how many there are)."""
+    ids = sorted((r["index"], r["prompt_ids"], r["answer_ids"]) for r in records)
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+
+
 def read_records(file: Path) -> list[dict]:
-    return [json.loads(line) for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    """The file's records, the last one of each index (a continued reply supersedes its start)."""
+    records = [json.loads(line) for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return list({r["index"]: r for r in records}.values())
 
 
 # -- 2) features ------------------------------------------------------------------------------
@@ -107,19 +146,20 @@ class Features:
     targets: Tensor  # (N, K) token each head must predict there (-100: past the end)
     source: Tensor | None = None  # (N,) transcript of each position, so splits keep transcripts whole
 
-    def save(self, file: Path, records: int) -> None:
-        """Cache on disk (bf16 hidden states: half the size, ample for training)."""
+    def save(self, file: Path, transcripts: str) -> None:
+        """Cache on disk (bf16 hidden states: half the size, ample for training), marked with the
+        `transcripts_key` of the transcripts they were made from."""
         tensors = {"hidden": self.hidden.to(torch.bfloat16).contiguous(), "targets": self.targets.contiguous()}
         if self.source is not None:
             tensors["source"] = self.source.contiguous()
-        save_tensors(file, tensors, {"records": str(records)})
+        save_tensors(file, tensors, {"transcripts": transcripts})
 
     @staticmethod
-    def load(file: Path, records: int, num_heads: int) -> Features | None:
-        """The cached features if they were made from `records` transcripts for `num_heads` heads."""
+    def load(file: Path, transcripts: str, num_heads: int) -> Features | None:
+        """The cached features if they were made from these transcripts for `num_heads` heads."""
         try:
             with safe_open(file, "pt") as f:
-                if f.metadata().get("records") != str(records):
+                if f.metadata().get("transcripts") != transcripts:
                     return None
                 tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
         except (OSError, ValueError, KeyError):
