@@ -30,6 +30,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from core.eagle import EagleDraft
 from core.files import save_tensors
+from core.tune.train import transcripts_key
 
 CHUNK = 128  # transcripts per feature file
 TOKENS_PER_BATCH = 4096  # padded tokens a training batch holds
@@ -64,9 +65,9 @@ def features(
     for c in range(0, len(records), CHUNK):
         chunk = records[c : c + CHUNK]
         file = work / f"features-{c // CHUNK:04d}.safetensors"
-        meta = {"records": str(len(chunk)), "taps": json.dumps(list(taps))}
+        meta = {"records": str(len(chunk)), "taps": json.dumps(list(taps)), "transcripts": transcripts_key(chunk)}
         loaded = _load_chunk(file, meta)
-        if loaded is None or [s.ids.tolist() for s in loaded] != [r["prompt_ids"] + r["answer_ids"] for r in chunk]:
+        if loaded is None:
             loaded = _chunk_features(model, chunk, batch_size, taps)
             tensors = {f"{i}.features": s.features.contiguous() for i, s in enumerate(loaded)}
             tensors |= {f"{i}.ids": s.ids for i, s in enumerate(loaded)}

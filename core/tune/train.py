@@ -125,9 +125,9 @@ def greedy_answers(
 
 
 def transcripts_key(records: Iterable[dict]) -> str:
-    """A digest of the transcripts' token ids: cached features are reused only for the same ones
-    (a rerun may have continued replies without changing how many there are)."""
-    ids = sorted((r["index"], r["prompt_ids"], r["answer_ids"]) for r in records)
+    """A digest of the transcripts' token ids, in order: cached features are reused only for the
+    same ones (a rerun may have continued replies without changing how many there are)."""
+    ids = [(r["prompt_ids"], r["answer_ids"]) for r in records]
     return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
 
 
