@@ -225,6 +225,17 @@ def test_top_p_matches_transformers(top_p):
     assert torch.equal(ours.isinf(), theirs.isinf())
 
 
+@pytest.mark.parametrize("scale", [12.0, 4.0, 0.3])  # a peaked, a broader and an almost flat distribution
+def test_top_p_over_a_model_sized_vocabulary_matches_transformers(scale):
+    """The nucleus found among the most likely tokens first (and, where it is wider, by a sort)."""
+    logits = torch.randn(3, 49152, generator=torch.Generator().manual_seed(5)) * scale
+    for top_p in (0.5, 0.9, 0.99):
+        ours = apply_top_p(logits, top_p)
+        theirs = TopPLogitsWarper(top_p)(None, logits.clone())
+        assert torch.equal(ours.isinf(), theirs.isinf()), top_p
+        assert torch.equal(ours[~ours.isinf()], logits[~ours.isinf()])
+
+
 def test_top_k_matches_transformers():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(4))
     assert torch.equal(apply_top_k(logits, 5).isinf(), TopKLogitsWarper(5)(None, logits.clone()).isinf())
