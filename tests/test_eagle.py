@@ -54,6 +54,31 @@ def test_cached_features_are_remade_when_the_transcripts_changed(tmp_path):
     assert len(first[0].ids) == 5
 
 
+def test_a_sampled_replys_positions_learn_the_models_argmax(tmp_path):
+    model = tiny_model("llama")
+    records = [
+        {"prompt_ids": [1, 5, 9], "answer_ids": [20, 21, 22, 23]},
+        {"prompt_ids": [1, 4], "answer_ids": [30, 31]},
+    ]
+    greedy = eagle_train.features(model, records, tmp_path / "greedy")
+    sampled = eagle_train.features(model, records, tmp_path / "sampled", targets=True)
+    assert greedy[0].targets is None
+    for seq, record in zip(sampled, records, strict=True):
+        ids = torch.tensor([record["prompt_ids"] + record["answer_ids"]])
+        with torch.inference_mode():
+            argmax = model(input_ids=ids).logits[0].argmax(-1)
+        assert seq.targets.tolist() == argmax.tolist()
+    again = eagle_train.features(model, records, tmp_path / "sampled", targets=True)  # from the cache
+    assert again[0].targets.tolist() == sampled[0].targets.tolist()
+    to_draft = torch.arange(model.config.vocab_size)
+    plain = eagle_train.make_batch(greedy[:1], to_draft, model.config.hidden_size)
+    chosen = eagle_train.make_batch(sampled[:1], to_draft, model.config.hidden_size)
+    # row t learns token t + 2: the reply's own token, or the model's argmax after position t + 1
+    assert plain.token_targets[0, 1:5].tolist() == [20, 21, 22, 23]
+    assert chosen.token_targets[0, 1:5].tolist() == sampled[0].targets[2:6].tolist()
+    assert plain.token_targets[0, 0] == chosen.token_targets[0, 0] == -100  # the prompt is not learned
+
+
 def test_pass_masks_show_each_row_the_true_rows_and_its_own_drafted_ancestors():
     masks = eagle_train.pass_mask([5], 5, 3, torch.float32)
     seen = [m[0, 0] == 0 for m in masks]
@@ -282,11 +307,13 @@ def test_train_drafter_eagle_then_generate_with_it(tmp_path):
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in lines))
     out = tmp_path / "eagle.safetensors"
     args = ["--kind", "eagle", "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "24"]
+    args += ["--samples", "1"]  # a sampled reply to each training prompt beside the greedy one
     run = cli("train-drafter", *args, "--held-out", "0.4", "--epochs", "2", "--passes", "2", "--draft-vocab", "300")
     assert run.returncode == 0, run.stderr
     assert run.stdout == ""
     card = json.loads(out.with_suffix(".json").read_text())
     assert card["replies_held_out"] == 2 and len(card["held_out"]["acceptance"]) == 3 and card["draft_vocab"] <= 300
+    assert card["sampled_replies"] == 3 and len((tmp_path / "eagle" / "sampled-1.jsonl").read_text().splitlines()) == 3
     assert "depth" in out.with_suffix(".md").read_text()
     epoch = tmp_path / "eagle" / "eagle" / "epoch-1.safetensors"
     made = epoch.stat().st_mtime_ns

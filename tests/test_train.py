@@ -85,6 +85,30 @@ def test_a_rerun_with_a_higher_cap_continues_the_replies_it_cut(tmp_path):
     assert train.distill(model, PROMPTS, out, eos, pad, batch_size=2, max_new_tokens=12) == 0
 
 
+def test_sampled_replies_are_reproducible_draws_and_resume(tmp_path):
+    model = tiny_model("llama")
+    eos, pad = (95,), 0
+    out = tmp_path / "sampled-1.jsonl"
+    assert train.distill(model, PROMPTS, out, eos, pad, max_new_tokens=10, sample=1, indices=[0, 2, 3]) == 3
+    records = train.read_records(out)
+    assert sorted(r["index"] for r in records) == [0, 2, 3]
+    settings = DecodeSettings(temperature=train.SAMPLED.temperature, top_p=train.SAMPLED.top_p, max_new_tokens=10)
+    for r in records:  # each reply is the loop's draw from its own seeded generator
+        generator = torch.Generator().manual_seed(train.SEED_STRIDE + r["index"])
+        _, done = collect(stream(model, r["prompt_ids"], settings, eos_ids=eos, generator=generator))
+        assert r["answer_ids"] == list(done.token_ids)
+    greedy = tmp_path / "greedy.jsonl"
+    train.distill(model, PROMPTS, greedy, eos, pad, max_new_tokens=10, indices=[0, 2, 3])
+    assert {r["index"]: r["answer_ids"] for r in train.read_records(greedy)} != {
+        r["index"]: r["answer_ids"] for r in records
+    }
+    other = tmp_path / "sampled-2.jsonl"
+    train.distill(model, PROMPTS, other, eos, pad, max_new_tokens=10, sample=2, indices=[0, 2, 3])
+    assert [r["answer_ids"] for r in train.read_records(other)] != [r["answer_ids"] for r in records]
+    assert train.distill(model, PROMPTS, out, eos, pad, max_new_tokens=10, sample=1, indices=[0, 2, 3]) == 0
+    assert train.distill(model, PROMPTS, out, eos, pad, max_new_tokens=10, sample=1) == 2  # the other prompts
+
+
 def test_cached_head_features_belong_to_the_transcripts_they_came_from(tmp_path):
     model = tiny_model("llama")
     records = [{"index": 0, "prompt_ids": [1, 5, 9], "answer_ids": [20, 21, 22, 23]}]

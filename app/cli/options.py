@@ -162,19 +162,23 @@ def setup(args: argparse.Namespace, kinds: tuple[str, ...] | None, fixed: tuple[
     return decode, backbone, drafters, preset, costs
 
 
-def answer_prompts(backbone, prompts: list[str], transcripts: Path, batch_size: int, max_new_tokens: int) -> int:
-    """The model's greedy replies to `prompts`, appended to `transcripts` batch by batch with a
-    progress bar (a rerun resumes, and continues replies an earlier run cut shorter); returns how
-    many this run answered."""
+def answer_prompts(
+    backbone, prompts: list[str], transcripts: Path, batch_size: int, max_new_tokens: int, sample: int = 0,
+    indices: list[int] | None = None,
+) -> int:  # fmt: skip
+    """The model's greedy replies to `prompts` (`sample` k > 0: its k-th sampled ones, to the
+    prompts at `indices`), appended to `transcripts` batch by batch with a progress bar (a rerun
+    resumes, and continues replies an earlier run cut shorter); returns how many this run answered."""
     from tqdm.auto import tqdm
 
     from core.tune import train
 
     encoded = [backbone.encode_chat(p) for p in prompts]
-    with tqdm(total=len(prompts), desc="answering prompts", unit="prompt") as bar:
+    desc = f"sampling replies ({sample})" if sample else "answering prompts"
+    with tqdm(total=len(prompts) if indices is None else len(indices), desc=desc, unit="prompt") as bar:
         return train.distill(
             backbone.model, encoded, transcripts, backbone.eos_ids, backbone.pad_id, batch_size, max_new_tokens,
-            lambda done, total: bar.update(done - bar.n),
+            lambda done, total: bar.update(done - bar.n), sample, indices,
         )  # fmt: skip
 
 

@@ -40,6 +40,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     eagle.add_argument("--passes", type=int, default=3, help="training-time test: draft depths trained together")
     eagle.add_argument("--draft-vocab", type=int, default=8192, help="tokens the draft reads out over")
     eagle.add_argument(
+        "--samples",
+        type=int,
+        default=0,
+        help="replies sampled per training prompt beside the greedy one (more varied data; positions learn the "
+        "model's greedy token)",
+    )
+    eagle.add_argument(
         "--features",
         choices=FEATURES,
         default=FEATURES[0],
@@ -73,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     if args.kind == "eagle":
         from app.cli.train_eagle import train_eagle
 
-        return train_eagle(args, backbone, records, work, out, answered, answering)
+        return train_eagle(args, backbone, prompts, records, work, out, answered, answering)
     kept, held = replies.split(records, args.held_out, args.seed)
     corpus, _ = replies.build(kept)
     with tqdm(total=len(held), desc="replaying held-out replies", unit="reply") as bar:

@@ -15,16 +15,17 @@ from core.errors import UserError
 
 
 def train_eagle(
-    args: argparse.Namespace, backbone, records: list[dict], work: Path, out: Path, answered: int, answering: float
-) -> int:
+    args: argparse.Namespace, backbone, prompts: list[str], records: list[dict], work: Path, out: Path,
+    answered: int, answering: float,
+) -> int:  # fmt: skip
     from tqdm.auto import tqdm
 
     from core.eagle import DrafterCard, EagleDraft, eagle3_taps, init_from_backbone, save_draft
-    from core.tune import eagle_train, replies
+    from core.tune import eagle_train, replies, train
     from models.loader import load_stock
 
-    if args.epochs < 1 or args.passes < 1 or args.draft_vocab < 2:
-        raise UserError("--epochs and --passes must be at least 1 and --draft-vocab at least 2.")
+    if args.epochs < 1 or args.passes < 1 or args.draft_vocab < 2 or args.samples < 0:
+        raise UserError("--epochs and --passes must be at least 1, --draft-vocab at least 2 and --samples at least 0.")
     stock = load_stock(backbone, torch.bfloat16)  # batched features: bf16 on unpacked weights is fastest
     layers = stock.config.get_text_config().num_hidden_layers
     taps = eagle3_taps(layers) if args.features == "eagle3" else ()
@@ -38,7 +39,12 @@ def train_eagle(
     kept, held = replies.split(records, args.held_out, args.seed)
     train_seqs = [by_index[r["index"]] for r in kept]
     held_seqs = [by_index[r["index"]] for r in held]
-    vocab = eagle_train.draft_vocab(kept, args.draft_vocab)
+    sampled, sampling, sampled_features = _sampled(
+        args, backbone, stock, prompts, work, [r["index"] for r in kept], taps
+    )
+    train_seqs += [s for _, s in sampled]
+    answering, featuring = answering + sampling, featuring + sampled_features
+    vocab = eagle_train.draft_vocab(kept + [r for r, _ in sampled], args.draft_vocab)
     draft = EagleDraft(stock, vocab, taps=taps)
     init_from_backbone(draft, stock)
     draft.float()
@@ -71,7 +77,9 @@ def train_eagle(
     coverage = sum(t in in_vocab for t in held_tokens) / max(1, len(held_tokens))
     card = {
         "model": args.model, "kind": "eagle", "prompts": len(records), "replies_trained": len(kept),
-        "replies_held_out": len(held), "train_tokens": sum(len(r["answer_ids"]) for r in kept),
+        "replies_held_out": len(held), "samples": args.samples, "sampled_replies": len(sampled),
+        "sampling": {"temperature": train.SAMPLED.temperature, "top_p": train.SAMPLED.top_p},
+        "train_tokens": sum(len(r["answer_ids"]) for r in kept) + sum(len(r["answer_ids"]) for r, _ in sampled),
         "draft_vocab": len(vocab), "held_out_vocab_coverage": round(coverage, 4), "taps": list(taps),
         "epochs": args.epochs, "best_epoch": best_epoch, "passes": args.passes, "lr": args.lr,
         "answered_this_run": answered, "answering_seconds": round(answering), "feature_seconds": round(featuring),
@@ -84,6 +92,35 @@ def train_eagle(
     return 0
 
 
+def _sampled(
+    args: argparse.Namespace, backbone, stock, prompts: list[str], work: Path, kept: list[int], taps: tuple[int, ...]
+) -> tuple[list[tuple[dict, object]], float, float]:
+    """The `--samples` sampled replies to each kept prompt with their features (the model's
+    argmax as each position's token target); the seconds sampling and features took."""
+    from tqdm.auto import tqdm
+
+    from app.cli.options import answer_prompts
+    from core.tune import eagle_train, train
+
+    out, sampling, featuring = [], 0.0, 0.0
+    for k in range(1, args.samples + 1):
+        file = work / f"sampled-{k}.jsonl"
+        started = time.perf_counter()
+        answer_prompts(backbone, prompts, file, args.batch_size, args.max_new_tokens, k, kept)
+        sampling += time.perf_counter() - started
+        wanted = set(kept)
+        records = sorted((r for r in train.read_records(file) if r["index"] in wanted), key=lambda r: r["index"])
+        started = time.perf_counter()
+        with tqdm(total=len(records), desc=f"features (sampled {k})", unit="reply") as bar:
+            seqs = eagle_train.features(
+                stock, records, work / f"features-sampled-{k}", taps=taps, targets=True,
+                progress=lambda done, total: bar.update(done - bar.n),
+            )  # fmt: skip
+        featuring += time.perf_counter() - started
+        out += list(zip(records, seqs, strict=True))
+    return out, sampling, featuring
+
+
 def _card(card: dict) -> str:
     held = card["held_out"]
     depths = "\n".join(f"| {d} | {a:.3f} |" for d, a in enumerate(held["acceptance"], 1))
@@ -94,8 +131,8 @@ def _card(card: dict) -> str:
         f"{card['draft_vocab']} most written tokens "
         f"({card['held_out_vocab_coverage']:.1%} of held-out reply tokens), made by "
         "`medusa-chat train-drafter --kind eagle`.\n\n"
-        f"- Data: the model's greedy replies to {card['prompts']} seed prompts; {card['replies_trained']} train "
-        f"({card['train_tokens']} reply tokens), {card['replies_held_out']} held out.\n"
+        f"- Data: the model's greedy replies to {card['prompts']} seed prompts; {card['replies_trained']} train, "
+        f"{card['replies_held_out']} held out{_samples(card)}; {card['train_tokens']} reply tokens to train on.\n"
         f"- Training: {card['epochs']} epochs ({card['passes']} draft depths trained together, EAGLE-3's "
         f"training-time test), best epoch {card['best_epoch']}; in the last run features took "
         f"{card['feature_seconds']} s (chunks an earlier run made are reused) and training "
@@ -106,6 +143,16 @@ def _card(card: dict) -> str:
         f"| depth | accepted |\n|---|---|\n{depths}\n\n"
         f"A chain of {len(held['acceptance'])} would give {held['chain_tokens_per_step']:.2f} tokens per step; "
         "the dynamic tree gives more (see `medusa-chat bench`).\n"
+    )
+
+
+def _samples(card: dict) -> str:
+    if not card.get("samples"):
+        return ""
+    return (
+        f", and {card['sampled_replies']} replies sampled (temperature {card['sampling']['temperature']}, top-p "
+        f"{card['sampling']['top_p']}; {card['samples']} per training prompt), whose positions learn the model's "
+        "greedy token"
     )
 
 

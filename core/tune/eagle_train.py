@@ -42,6 +42,7 @@ class Sequence:
     ids: Tensor  # (n,) prompt then reply
     features: Tensor  # (n, (taps + 1)·H) bf16: the tapped streams, then the last feature
     prompt: int  # prompt length
+    targets: Tensor | None = None  # (n,) the model's argmax after each position, where the reply was sampled
 
 
 def draft_vocab(records: list[dict], size: int = DRAFT_VOCAB) -> Tensor:
@@ -57,22 +58,30 @@ def features(
     batch_size: int = 16,
     progress: Callable[[int, int], None] = lambda done, total: None,
     taps: tuple[int, ...] = (),
+    targets: bool = False,
 ) -> list[Sequence]:
     """Every transcript's features, computed in chunks of `CHUNK` transcripts (kept in `work`;
-    a rerun loads the chunks already made with the same `taps` from the same transcripts)."""
+    a rerun loads the chunks already made with the same `taps` from the same transcripts).
+    `targets`: also the model's argmax after every position, the token a sampled reply's
+    positions are trained to draft (drafting at temperature 0 meets the argmax, not the sample)."""
     work.mkdir(parents=True, exist_ok=True)
     out: list[Sequence] = []
     for c in range(0, len(records), CHUNK):
         chunk = records[c : c + CHUNK]
         file = work / f"features-{c // CHUNK:04d}.safetensors"
         meta = {"records": str(len(chunk)), "taps": json.dumps(list(taps)), "transcripts": transcripts_key(chunk)}
+        if targets:
+            meta["targets"] = "argmax"
         loaded = _load_chunk(file, meta)
         if loaded is None:
-            loaded = _chunk_features(model, chunk, batch_size, taps)
+            loaded = _chunk_features(model, chunk, batch_size, taps, targets)
             tensors = {f"{i}.features": s.features.contiguous() for i, s in enumerate(loaded)}
             tensors |= {f"{i}.ids": s.ids for i, s in enumerate(loaded)}
+            tensors |= {f"{i}.targets": s.targets for i, s in enumerate(loaded) if s.targets is not None}
             save_tensors(file, tensors, meta)
-        out += [Sequence(s.ids, s.features, len(r["prompt_ids"])) for s, r in zip(loaded, chunk, strict=True)]
+        out += [
+            Sequence(s.ids, s.features, len(r["prompt_ids"]), s.targets) for s, r in zip(loaded, chunk, strict=True)
+        ]
         progress(len(out), len(records))
     return out
 
@@ -83,14 +92,17 @@ def _load_chunk(file: Path, meta: dict[str, str]) -> list[Sequence] | None:
             found = f.metadata() or {}
             if any(found.get(k, "[]" if k == "taps" else None) != v for k, v in meta.items()):
                 return None
-            records = int(meta["records"])
-            return [Sequence(f.get_tensor(f"{i}.ids"), f.get_tensor(f"{i}.features"), 0) for i in range(records)]
+            seqs = []
+            for i in range(int(meta["records"])):
+                targets = f.get_tensor(f"{i}.targets") if "targets" in meta else None
+                seqs.append(Sequence(f.get_tensor(f"{i}.ids"), f.get_tensor(f"{i}.features"), 0, targets))
+            return seqs
     except (OSError, ValueError, RuntimeError, SafetensorError):
         return None
 
 
 def _chunk_features(
-    model: PreTrainedModel, chunk: list[dict], batch_size: int, taps: tuple[int, ...]
+    model: PreTrainedModel, chunk: list[dict], batch_size: int, taps: tuple[int, ...], targets: bool = False
 ) -> list[Sequence]:
     seqs = [r["prompt_ids"] + r["answer_ids"] for r in chunk]
     result: list[Sequence | None] = [None] * len(seqs)
@@ -105,7 +117,10 @@ def _chunk_features(
             hidden = torch.cat([*(out.hidden_states[t] for t in taps), out.last_hidden_state], dim=-1)
             for row, i in enumerate(batch):
                 n = len(seqs[i])
-                result[i] = Sequence(ids[row, :n].cpu(), hidden[row, :n].to(torch.bfloat16).cpu().clone(), 0)
+                argmax = (
+                    model.get_output_embeddings()(out.last_hidden_state[row, :n]).argmax(-1).cpu() if targets else None
+                )
+                result[i] = Sequence(ids[row, :n].cpu(), hidden[row, :n].to(torch.bfloat16).cpu().clone(), 0, argmax)
     return result  # type: ignore[return-value]
 
 
@@ -133,7 +148,7 @@ class Batch:
     features: Tensor  # (B, L, H) true features at rows t
     ids: Tensor  # (B, L) tokens t + 1 (0 past the end)
     feature_targets: Tensor  # (B, L, H) features t + 1
-    token_targets: Tensor  # (B, L) draft-vocabulary index of token t + 2, -100 where not learned
+    token_targets: Tensor  # (B, L) draft index of token t + 2 (or the argmax there), -100 where not learned
     lengths: list[int]  # the draft reads draft.fused(features); feature_targets are last features
 
 
@@ -151,7 +166,8 @@ def make_batch(seqs: list[Sequence], to_draft: Tensor, hidden: int) -> Batch:
         targets[b, :n] = s.features[1 : n + 1, -hidden:]
         ids[b, :n] = s.ids[1 : n + 1]
         start = max(s.prompt - 2, 0)
-        tokens[b, start : n - 1] = to_draft[s.ids[start + 2 : n + 1]]
+        chosen = s.ids[start + 2 : n + 1] if s.targets is None else s.targets[start + 1 : n]
+        tokens[b, start : n - 1] = to_draft[chosen]
     return Batch(feats, ids, targets, tokens, [len(s.ids) - 1 for s in seqs])
 
 

@@ -17,7 +17,7 @@ import json
 import math
 import random
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -32,6 +32,11 @@ from core.generate import collect, stream
 from core.settings import DecodeSettings
 
 # -- 1) self-distillation ---------------------------------------------------------------------
+
+# Sampled replies beside the greedy ones (more varied data for a drafter: a greedy reply often
+# ends in a loop, a sampled one goes elsewhere); the temperature and top-p they are drawn at.
+SAMPLED = DecodeSettings(temperature=0.8, top_p=0.95)
+SEED_STRIDE = 1_000_003  # sampled reply k of prompt i: seed k · SEED_STRIDE + i (+ its length, where continued)
 
 
 def done_records(out_file: Path) -> int:
@@ -60,36 +65,60 @@ def distill(
     batch_size: int = 32,
     max_new_tokens: int = 160,
     progress: Callable[[int, int], None] = lambda done, total: None,
+    sample: int = 0,
+    indices: Iterable[int] | None = None,
 ) -> int:
     """Greedy answers to `prompts` (token ids), appended to `out_file`; returns records written.
 
     A record keeps its prompt's index: a rerun skips the replies already finished (ended by an
     end-of-turn token or `max_new_tokens` long) and continues those an earlier run cut at a lower
     cap, appending the longer reply (`read_records` keeps the last record of an index). Prompts
-    are sorted by length so batches pad little."""
+    are sorted by length so batches pad little. `sample` k > 0: each prompt's k-th sampled reply
+    instead (`SAMPLED`, a generator seeded by k and the prompt's index). `indices`: only those
+    prompts (default: all)."""
     done_records(out_file)  # drops a line an interruption cut
     have = {r["index"]: r for r in read_records(out_file)} if out_file.exists() else {}
-    finished = {i for i, r in have.items() if not unfinished(r, eos_ids, max_new_tokens)}
+    asked = sorted(set(range(len(prompts)) if indices is None else indices))
+    finished = {i for i in asked if i in have and not unfinished(have[i], eos_ids, max_new_tokens)}
     todo = sorted(
-        (i for i in range(len(prompts)) if i not in finished),
+        (i for i in asked if i not in finished),
         key=lambda i: len(prompts[i]) + len(have[i]["answer_ids"] if i in have else ()),
     )
     written = 0
     out_file.parent.mkdir(parents=True, exist_ok=True)
-    progress(len(finished), len(prompts))
+    progress(len(finished), len(asked))
     for b in range(0, len(todo), batch_size):
         batch = todo[b : b + batch_size]
         so_far = [have[i]["answer_ids"] if i in have else [] for i in batch]
         budget = max_new_tokens - min(map(len, so_far))
-        answers = greedy_answers(model, [prompts[i] + a for i, a in zip(batch, so_far, strict=True)], eos_ids,
-                                 pad_id, budget)  # fmt: skip
+        asks = [prompts[i] + a for i, a in zip(batch, so_far, strict=True)]
+        if sample:
+            seeds = [SEED_STRIDE * sample + i + len(a) for i, a in zip(batch, so_far, strict=True)]
+            answers = sampled_answers(model, asks, eos_ids, budget, seeds)
+        else:
+            answers = greedy_answers(model, asks, eos_ids, pad_id, budget)
         with out_file.open("a", encoding="utf-8") as f:
             for i, start, more in zip(batch, so_far, answers, strict=True):
                 answer = start + more[: max_new_tokens - len(start)]
                 f.write(json.dumps({"index": i, "prompt_ids": prompts[i], "answer_ids": answer}) + "\n")
         written += len(batch)
-        progress(len(finished) + written, len(prompts))
+        progress(len(finished) + written, len(asked))
     return written
+
+
+def sampled_answers(
+    model: PreTrainedModel, prompts: list[list[int]], eos_ids: tuple[int, ...], max_new_tokens: int, seeds: list[int]
+) -> list[list[int]]:
+    """Each prompt's reply sampled as `SAMPLED` says, one prompt at a time through the project's
+    own decoding loop, from a generator seeded with the prompt's seed."""
+    settings = replace(SAMPLED, max_new_tokens=max_new_tokens)
+    answers = []
+    for prompt, seed in zip(prompts, seeds, strict=True):
+        generator = torch.Generator(model.device).manual_seed(seed)
+        answers.append(
+            list(collect(stream(model, prompt, settings, eos_ids=eos_ids, generator=generator))[1].token_ids)
+        )
+    return answers
 
 
 def unfinished(record: dict, eos_ids: tuple[int, ...], max_new_tokens: int) -> bool:
