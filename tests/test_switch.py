@@ -106,6 +106,25 @@ def test_with_a_reference_only_a_measurably_faster_drafter_replaces_it():
     assert clear.leader() == "heads" and ran["heads"] > 10 * ran["plain"]
 
 
+def test_of_two_drafters_faster_than_the_reference_the_later_named_must_beat_the_earlier_too():
+    """The heads' tree and EAGLE's both beat plain decoding; EAGLE (named later) runs only where
+    it is faster than the heads' tree by more than the noise, not where it is 5 % faster."""
+
+    def tokens(name, step):
+        return 1 if name == "plain" else noisy(name, step)
+
+    def seconds(eagle):
+        return lambda name: {"plain": 0.01, "heads": 0.013, "eagle": eagle}[name]
+
+    close = Fastest({"heads": Fake(), "eagle": Fake(), "plain": NoDrafter()}, reference="plain")
+    ran = run(close, 3000, tokens, seconds(0.0124))
+    assert close.rate("eagle") > close.rate("heads") * 1.01  # the faster on its trials, not by enough
+    assert close.leader() == "heads" and ran["heads"] > 10 * ran["eagle"]
+    clear = Fastest({"heads": Fake(), "eagle": Fake(), "plain": NoDrafter()}, reference="plain")
+    ran = run(clear, 3000, tokens, seconds(0.009))
+    assert clear.leader() == "eagle" and ran["eagle"] > 10 * ran["heads"]
+
+
 def test_trials_come_soon_when_the_best_rate_is_not_yet_trusted():
     """When the drafter with the best rate is not yet measurably faster than the reference, the
     next trial follows FIRST_GAP steps later (not EVERY)."""
