@@ -102,13 +102,12 @@ def _sampled(
     from app.cli.options import answer_prompts
     from core.tune import eagle_train, train
 
-    out, sampling, featuring = [], 0.0, 0.0
+    out, sampling, featuring, wanted = [], 0.0, 0.0, set(kept)
     for k in range(1, args.samples + 1):
         file = work / f"sampled-{k}.jsonl"
         started = time.perf_counter()
         answer_prompts(backbone, prompts, file, args.batch_size, args.max_new_tokens, k, kept)
         sampling += time.perf_counter() - started
-        wanted = set(kept)
         records = sorted((r for r in train.read_records(file) if r["index"] in wanted), key=lambda r: r["index"])
         started = time.perf_counter()
         with tqdm(total=len(records), desc=f"features (sampled {k})", unit="reply") as bar:

@@ -112,13 +112,18 @@ def sampled_answers(
     """Each prompt's reply sampled as `SAMPLED` says, one prompt at a time through the project's
     own decoding loop, from a generator seeded with the prompt's seed."""
     settings = replace(SAMPLED, max_new_tokens=max_new_tokens)
-    answers = []
-    for prompt, seed in zip(prompts, seeds, strict=True):
-        generator = torch.Generator(model.device).manual_seed(seed)
-        answers.append(
-            list(collect(stream(model, prompt, settings, eos_ids=eos_ids, generator=generator))[1].token_ids)
-        )
-    return answers
+    return [
+        _own_loop(model, prompt, settings, eos_ids, torch.Generator(model.device).manual_seed(seed))
+        for prompt, seed in zip(prompts, seeds, strict=True)
+    ]
+
+
+def _own_loop(
+    model: PreTrainedModel, prompt: list[int], settings: DecodeSettings, eos_ids: tuple[int, ...],
+    generator: torch.Generator | None = None,
+) -> list[int]:  # fmt: skip
+    """One reply through the project's own decoding loop (plain decoding, no drafter)."""
+    return list(collect(stream(model, prompt, settings, eos_ids=eos_ids, generator=generator))[1].token_ids)
 
 
 def unfinished(record: dict, eos_ids: tuple[int, ...], max_new_tokens: int) -> bool:
@@ -137,7 +142,7 @@ def greedy_answers(
     and runs 2–3× slower there. Elsewhere (a GPU), left-padded batches through `generate`."""
     if forward_of(model) is not None and model.device.type == "cpu":
         settings = DecodeSettings(max_new_tokens=max_new_tokens)
-        return [list(collect(stream(model, p, settings, eos_ids=eos_ids))[1].token_ids) for p in prompts]
+        return [_own_loop(model, p, settings, eos_ids) for p in prompts]
     width = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=model.device)  # left padding
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
