@@ -328,6 +328,17 @@ def test_train_drafter_eagle_then_generate_with_it(tmp_path):
     assert bad.returncode != 0 and "No EAGLE drafter" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_a_bad_eagle_option_is_one_sentence_before_anything_is_answered(tmp_path):
+    from tests.test_cli import cli
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Say hi."}))
+    out = tmp_path / "eagle.safetensors"
+    run = cli("train-drafter", "--kind", "eagle", "--prompts", str(prompts), "--out", str(out), "--samples", "-1")
+    assert run.returncode == 2 and "--samples at least 0" in run.stderr and "Traceback" not in run.stderr
+    assert not (tmp_path / "eagle").exists()  # no work dir, no transcripts: nothing was answered
+
+
 def test_shipped_drafter_drafts_for_the_embedded_model_exactly_and_is_accepted():
     from importlib import resources
     from pathlib import Path

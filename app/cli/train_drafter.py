@@ -64,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 < args.held_out < 1 or args.batch_size < 1 or args.max_new_tokens < 1:
         raise UserError("--held-out must be between 0 and 1, and --batch-size and --max-new-tokens at least 1.")
+    if args.kind == "eagle" and (args.epochs < 1 or args.passes < 1 or args.draft_vocab < 2 or args.samples < 0):
+        raise UserError("--epochs and --passes must be at least 1, --draft-vocab at least 2 and --samples at least 0.")
     out = Path(args.out).expanduser()
     if out.suffix != ".safetensors":
         raise UserError(f"--out must name a .safetensors file, not {out}.")

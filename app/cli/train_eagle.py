@@ -11,8 +11,6 @@ from pathlib import Path
 
 import torch
 
-from core.errors import UserError
-
 
 def train_eagle(
     args: argparse.Namespace, backbone, prompts: list[str], records: list[dict], work: Path, out: Path,
@@ -24,8 +22,6 @@ def train_eagle(
     from core.tune import eagle_train, replies, train
     from models.loader import load_stock
 
-    if args.epochs < 1 or args.passes < 1 or args.draft_vocab < 2 or args.samples < 0:
-        raise UserError("--epochs and --passes must be at least 1, --draft-vocab at least 2 and --samples at least 0.")
     stock = load_stock(backbone, torch.bfloat16)  # batched features: bf16 on unpacked weights is fastest
     layers = stock.config.get_text_config().num_hidden_layers
     taps = eagle3_taps(layers) if args.features == "eagle3" else ()
