@@ -229,10 +229,16 @@ class EagleDrafter:
         return CostCurve({n: ms * scale for n, ms in PRIOR_CURVE.step_ms.items()}, PRIOR_CURVE.heads_ms * scale)
 
     def _grow(self) -> tuple[list[int], list[int], list[float]]:
-        """Every drafted node: (token, parent node or −1 for the root, log-probability of its path)."""
+        """Every drafted node: (token, parent node or −1 for the root, log-probability of its path).
+
+        A node is expanded only while a child of it could still be kept: a child scores no more
+        than its parent and comes after every node already drafted, so once `limit` − 1 other
+        nodes score at least as much as its parent, it is never among the `limit` most probable
+        (what `_closed` keeps); the tree is the same, with fewer draft forwards."""
         lean, cache = self.lean, self.cache
         base = cache.length
         k = min(TOP_K, len(lean.vocab))
+        limit = self.fixed_budget if self.fixed_budget is not None else BUDGETS[-1]
         logp = lean.log_probs(self._last_out.view(1, -1))[0]
         top = logp.topk(k)
         tokens = lean.vocab[top.indices].tolist()
@@ -245,8 +251,13 @@ class EagleDrafter:
         floor = -math.inf  # a fixed budget is filled; else a path this unlikely is never kept
         if self.fixed_budget is None:
             floor = math.log(MIN_CHANCE / max(self.calibration, 1e-3))
+        hidden = torch.finfo(lean.dtype).min
         for depth in range(1, self.depth):
-            expand = [n for n in sorted(frontier, key=lambda n: -scores[n])[:BEAM] if scores[n] > floor]
+            expand = [
+                n
+                for n in sorted(frontier, key=lambda n: -scores[n])[:BEAM]
+                if scores[n] > floor and sum(s >= scores[n] for s in scores) < limit  # n counts itself
+            ]
             if not expand:
                 break
             rows = len(entry)
@@ -254,11 +265,13 @@ class EagleDrafter:
                 entry[n] = rows + r
                 up = entry.get(parent[n])
                 ancestors.append((ancestors[up] if up is not None else []) + [rows + r])
-            seen = torch.zeros(len(expand), rows + len(expand), dtype=torch.bool)
+            width = rows + len(expand)
+            tail = [[hidden] * width for _ in expand]
             for r in range(len(expand)):
-                seen[r, ancestors[rows + r]] = True
-            mask = torch.zeros(1, 1, len(expand), base + rows + len(expand), dtype=lean.dtype, device=lean.device)
-            mask[0, 0, :, base:].masked_fill_(~seen.to(lean.device), torch.finfo(lean.dtype).min)
+                for a in ancestors[rows + r]:
+                    tail[r][a] = 0.0
+            mask = torch.zeros(1, 1, len(expand), base + width, dtype=lean.dtype, device=lean.device)
+            mask[0, 0, :, base:] = torch.tensor(tail, dtype=lean.dtype)
             cache.length = base + rows
             out = lean(
                 torch.stack([feature_in[n] for n in expand]),
@@ -268,9 +281,10 @@ class EagleDrafter:
                 cache,
             )
             top = lean.log_probs(out).topk(k)
+            values, ids = top.values.tolist(), lean.vocab[top.indices].tolist()
             frontier = []
             for r, n in enumerate(expand):
-                for v, i in zip(top.values[r].tolist(), lean.vocab[top.indices[r]].tolist(), strict=True):
+                for v, i in zip(values[r], ids[r], strict=True):
                     frontier.append(len(tokens))
                     tokens.append(i)
                     parent.append(n)

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from core.eagle import DrafterCard, EagleDraft, load_draft, save_draft
-from core.eagle_tree import EagleDrafter, LeanDraft
+from core.eagle_tree import EagleDrafter, LeanDraft, _closed
 from core.errors import UserError
 from core.generate import collect, stream
 from core.settings import DecodeSettings
@@ -248,6 +248,40 @@ def _eagle1_checkpoint(folder, model, seed: int = 4) -> dict:
     torch.save(tensors, folder / "pytorch_model.bin")
     (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "bias": True}))
     return tensors
+
+
+def test_a_small_budget_drafts_fewer_depths_and_keeps_the_same_tree(monkeypatch):
+    model = tiny_model("llama")
+    draft = _draft(model)
+    seq = _sequence(model)
+    calls = Counter()
+    original = LeanDraft.__call__
+
+    def counted(self, *args, **kwargs):
+        calls[id(self)] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(LeanDraft, "__call__", counted)
+    peaky = lambda self, predicted: torch.log_softmax(self.readout(predicted).float() * 16, dim=-1)  # noqa: E731
+    monkeypatch.setattr(LeanDraft, "log_probs", peaky)  # deep nodes outrank shallow ones
+    kept, forwards = {}, {}
+    for budget in (2, 3, 5, 8, 12, 40):
+        drafter = EagleDrafter(copy.deepcopy(draft), torch.float32, lookup=False, budget=budget)
+        with torch.inference_mode():
+            drafter.feed(seq.features[:7], seq.ids[1:8], 0)
+            drafter._flush()
+            before = calls[id(drafter.lean)]
+            tokens, parent, scores = drafter._grow()
+        forwards[budget] = calls[id(drafter.lean)] - before
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])
+        depth = [1 if p < 0 else 0 for p in parent]
+        for n, p in enumerate(parent):
+            depth[n] = depth[n] or depth[p] + 1
+        kept[budget] = [(tokens[n], depth[n]) for n in _closed(order, parent, budget)]
+    assert len({depth for _, depth in kept[12]}) > 2
+    for budget in (2, 3, 5, 8, 12):  # the most probable closed nodes, drafted with pruning or without
+        assert kept[budget] == kept[40][:budget]
+    assert forwards[2] < forwards[40]
 
 
 def test_published_eagle1_checkpoint_drafts_as_its_own_code_would(tmp_path):
