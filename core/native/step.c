@@ -134,12 +134,13 @@ VALUES(values256, T256, __m256, 8, _mm256)
  * over the keys in order, and a key a query does not see adds an exact 0: a tree's node and a
  * one-token step that see the same keys get the same bits. Keys before `open` are seen by every
  * query; from there on mask[m][j] says (0: seen). The work is proportional to the queries (a
- * one-token step's 3 queries do not pay for 16 lanes). work: ATTEND_WORK floats. */
-#define QUERIES 8
+ * one-token step's 3 queries do not pay for 16 lanes). work: ATTEND_WORK(n, d, length) floats. */
+#define QUERIES 48 /* the most queries one pass over a kv head's keys and values serves */
+#define SPLIT 4     /* the fewest queries a block is split down to, to share out the blocks */
 #define HEAD_STEP 16 /* head sizes must be multiples of this (core/q4.py HEAD_STEP) */
 #define KEYS 16
 #define PADDED(length) (((length) + KEYS - 1) / KEYS * KEYS)
-#define ATTEND_WORK(d, length) (QUERIES * (2 * (d) + PADDED(length) + 1) + KEYS * (d))
+#define ATTEND_WORK(n, d, length) ((n) * (2 * (d) + PADDED(length) + 1) + KEYS * (d))
 #define ATTEND(NAME, SCORES, VALUES, TARGET)                                                                         \
   TARGET static void NAME(int64_t n, int64_t d, const uint16_t *const *q, const uint16_t *k, const uint16_t *v,      \
                           int64_t length, int64_t open, const uint16_t *const *mask, float scale, float *work,       \
@@ -203,11 +204,16 @@ ATTEND(attend256, scores256, values256, T256)
 static int attention(int isa, int threads, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, int64_t length,
                      const uint16_t *q, int64_t ldq, const uint16_t *k, const uint16_t *v, int64_t capacity,
                      const uint16_t *mask, int64_t open, float scale, uint16_t *out) {
-  int64_t group = heads / kv_heads, queries = t * group, blocks = (queries + QUERIES - 1) / QUERIES;
+  /* Each block of queries reads and converts its kv head's keys and values once, so blocks are
+   * as large as QUERIES allows, and as many as give every thread the same number of them, while
+   * a block keeps SPLIT queries (a one-token step's 3 would pay the conversion twice for nothing). */
+  int64_t group = heads / kv_heads, queries = t * group, per = (queries + QUERIES - 1) / QUERIES;
+  while ((kv_heads * per) % threads && (queries + per) / (per + 1) >= SPLIT) per++;
+  int64_t size = (queries + per - 1) / per, blocks = (queries + size - 1) / size;
   int failed = 0;
 #pragma omp parallel num_threads(threads) if (t * heads * length >= 1024)
   {
-    float *work = malloc(sizeof(float) * (size_t)ATTEND_WORK(d, length));
+    float *work = malloc(sizeof(float) * (size_t)ATTEND_WORK(size, d, length));
     if (!work) {
 #pragma omp atomic write
       failed = 1;
@@ -218,9 +224,9 @@ static int attention(int isa, int threads, int64_t t, int64_t heads, int64_t kv_
         if (!work) continue;
         const uint16_t *qs[QUERIES], *ms[QUERIES];
         uint16_t *os[QUERIES];
-        int64_t n = queries - b * QUERIES < QUERIES ? queries - b * QUERIES : QUERIES;
+        int64_t n = queries - b * size < size ? queries - b * size : size;
         for (int64_t l = 0; l < n; l++) { /* query (row r, head g·group + h) */
-          int64_t r = (b * QUERIES + l) / group, h = g * group + (b * QUERIES + l) % group;
+          int64_t r = (b * size + l) / group, h = g * group + (b * size + l) % group;
           qs[l] = q + r * ldq + h * d;
           ms[l] = mask ? mask + r * length : 0;
           os[l] = out + (r * heads + h) * d;
