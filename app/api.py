@@ -5,11 +5,14 @@ already queued on the engine's one compute thread (the chat's included) and neve
 them. A reply comes whole or, with `"stream": true`, as server-sent events: one chunk per
 decoding step, then `data: [DONE]`. Every reply, and the last chunk with a `finish_reason`,
 carries a `medusa` field with the speculation figures. Mistakes are OpenAI error objects with
-a 4xx status (503 while the model loads), one sentence each, never a traceback.
+a 4xx status (503 while the model loads), one sentence each, never a traceback. A body must be
+sent as JSON (`app.guard`, around the server, has checked its host, origin, key and size), and
+a reply whose client has gone away, whole or streamed, ends at its next step.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -31,6 +34,7 @@ log = logging.getLogger("medusa-chat")
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}  # ours → OpenAI's finish_reason
 OWNER = "medusa-chat"
+WATCH_SECONDS = 0.1  # how often a reply in progress asks whether its client is still there
 
 
 def router(engine: Engine) -> APIRouter:
@@ -44,14 +48,13 @@ def router(engine: Engine) -> APIRouter:
     @api.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         try:
-            body = json.loads(await request.body())
-        except ValueError:  # not JSON, or not UTF-8
-            return _error(
-                ApiError(400, "The request body is not valid JSON; send a JSON object.", None, "invalid_json")
-            )
-        stop = threading.Event()  # set when a streaming client goes away: the reply ends at its next step
+            call = parse(await _body(request), engine.model_id)
+        except ApiError as e:
+            return _error(e)
+        stop = threading.Event()  # set when the client goes away: the reply ends at its next step
+        # watched once the body is read (a watcher's receive would take its messages); streamed: `_sse` takes over
+        watcher = asyncio.create_task(_watch(request, stop))
         try:
-            call = parse(body, engine.model_id)
             reply = await run_in_threadpool(engine.reply, call.request, stop.is_set)
             # the first step (the prefill) waits for this reply's turn; errors come before any byte is sent
             first = await run_in_threadpool(next, reply.events)
@@ -67,8 +70,44 @@ def router(engine: Engine) -> APIRouter:
             return _error(_user_error(e))
         except Exception as e:
             return _error(_failure(e))
+        finally:
+            watcher.cancel()
 
     return api
+
+
+async def _body(request: Request) -> object:
+    """The request's JSON body: a JSON media type, valid UTF-8 and JSON, nested at most as deep as
+    Python's parser goes, and no lone surrogate (valid JSON, but not text) anywhere in it."""
+    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media != "application/json":
+        raise ApiError(
+            415, "The request body must be JSON sent as 'Content-Type: application/json'.", None,
+            "unsupported_media_type",
+        )  # fmt: skip
+    try:
+        body = json.loads(await request.body())
+    except ValueError:  # not JSON, or not UTF-8
+        raise ApiError(400, "The request body is not valid JSON; send a JSON object.", None, "invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "The request body is nested too deeply; send a flatter JSON object.", None,
+                       "invalid_json") from None  # fmt: skip
+    try:
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise ApiError(
+            400, "The request body holds a lone surrogate (such as \\ud800), which is not text; send valid Unicode.",
+            None, "invalid_unicode",
+        ) from None  # fmt: skip
+    return body
+
+
+async def _watch(request: Request, stop: threading.Event) -> None:
+    """Set `stop` once the client has gone away (asked between steps, every WATCH_SECONDS): a reply
+    nobody waits for, whole or streamed, ends at its next step instead of holding the queue."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(WATCH_SECONDS)
+    stop.set()
 
 
 def _user_error(e: UserError) -> ApiError:

@@ -29,6 +29,8 @@ REFUSED = {  # field → the value that means "not used"; anything else is refus
     "presence_penalty": 0,
     "logit_bias": None,
 }
+SEEDS = (-(2**63), 2**64 - 1)  # what torch's generator takes (a negative seed wraps around, as in torch)
+SHOWN = 60  # characters of a value echoed in an error message: a 100 KB value is not sent back whole
 
 
 class ApiError(Exception):
@@ -59,11 +61,12 @@ def parse(body: object, model_id: str) -> Call:
         raise ApiError(400, f"'model' is required; this server answers with '{model_id}'.", "model", "missing_model")
     if model != model_id:
         raise ApiError(
-            404, f"The model '{model}' is not loaded here; use '{model_id}' (GET /v1/models lists it).",
+            404, f"The model {_shown(model)} is not loaded here; use '{model_id}' (GET /v1/models lists it).",
             "model", "model_not_found",
         )  # fmt: skip
     for field, unused in REFUSED.items():
-        if body.get(field) not in (None, unused, [], {}):
+        value = body.get(field)
+        if value not in (None, [], {}) and (value != unused or isinstance(value, bool) != isinstance(unused, bool)):
             raise ApiError(400, f"'{field}' is not supported here; leave it out.", field, "unsupported_parameter")
     messages, system = _messages(body.get("messages"))
     stream = _choice(body, "stream", (True, False), False)
@@ -74,7 +77,7 @@ def parse(body: object, model_id: str) -> Call:
         mode=_choice(body, "mode", MODES, MODES[0]),
         tree=_text_field(body, "tree", ""),
         drafter=_choice(body, "drafter", ("", *DRAFTERS), ""),
-        seed=_integer(body, "seed"),
+        seed=_seed(body),
     )  # fmt: skip
     return Call(request, stream, include_usage)
 
@@ -91,7 +94,7 @@ def _messages(value: object) -> tuple[list[dict], str]:
         role = message.get("role")
         if role not in (*SYSTEM_ROLES, *TURN_ROLES):
             raise ApiError(
-                400, f"{param} has role {role!r}; use system, developer, user or assistant.", f"{param}.role"
+                400, f"{param} has role {_shown(role)}; use system, developer, user or assistant.", f"{param}.role"
             )
         content = _content(message.get("content"), f"{param}.content")
         if role in SYSTEM_ROLES:
@@ -147,7 +150,7 @@ def _settings(body: dict) -> DecodeSettings:
 def _number(body: dict, field: str) -> float:
     value = body[field]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ApiError(400, f"'{field}' must be a finite number, got {value!r}.", field, "invalid_type")
+        raise ApiError(400, f"'{field}' must be a finite number, got {_shown(value)}.", field, "invalid_type")
     return float(value)
 
 
@@ -156,8 +159,21 @@ def _integer(body: dict, field: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ApiError(400, f"'{field}' must be a whole number, got {value!r}.", field, "invalid_type")
+        raise ApiError(400, f"'{field}' must be a whole number, got {_shown(value)}.", field, "invalid_type")
     return value
+
+
+def _seed(body: dict) -> int | None:
+    seed = _integer(body, "seed")
+    if seed is not None and not SEEDS[0] <= seed <= SEEDS[1]:
+        raise ApiError(400, "'seed' must be a whole number from -2**63 to 2**64 - 1.", "seed", "invalid_value")
+    return seed
+
+
+def _shown(value: object) -> str:
+    """`value` as an error message quotes it, cut to SHOWN characters."""
+    text = repr(value)
+    return text if len(text) <= SHOWN else f"{text[: SHOWN - 1]}…"
 
 
 def _choice(body: dict, field: str, choices: tuple, default: object) -> object:
@@ -166,7 +182,7 @@ def _choice(body: dict, field: str, choices: tuple, default: object) -> object:
         return default
     if value not in choices or isinstance(value, bool) != isinstance(default, bool):
         names = ", ".join(repr(c) if c == "" else str(c).lower() for c in choices)
-        raise ApiError(400, f"'{field}' must be one of {names}; got {value!r}.", field, "invalid_value")
+        raise ApiError(400, f"'{field}' must be one of {names}; got {_shown(value)}.", field, "invalid_value")
     return value
 
 
@@ -175,7 +191,9 @@ def _text_field(body: dict, field: str, default: str) -> str:
     if value is None:
         return default
     if not isinstance(value, str):
-        raise ApiError(400, f"'{field}' must be a string, got {value!r}.", field, "invalid_type")
+        raise ApiError(400, f"'{field}' must be a string, got {_shown(value)}.", field, "invalid_type")
+    if len(value) > SHOWN:  # a name, which later messages quote whole
+        raise ApiError(400, f"'{field}' must be a name, got {_shown(value)}.", field, "invalid_value")
     return value
 
 

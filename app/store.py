@@ -5,87 +5,72 @@ the old one (and the folder is flushed too), so a crash or a kill leaves either 
 or the new version, never half a file; temporary files a kill leaves behind are removed later.
 
 Chat ids become file names, so every function taking an id checks it against `ID` first. A
-chat file is checked field by field when read (`chat_from_dict`): one that is not a chat this
-app wrote is moved aside (`*.corrupt`, never overwriting or deleting anything) and reported,
-not fatal. This module knows nothing of the UI; it only returns the messages to show.
+chat file is read only as a regular file in the chats folder (a symbolic link is not followed)
+and checked field by field (`app.chat.chat_from_dict`): one that is not a chat this app wrote
+is moved aside (`*.corrupt`, never overwriting or deleting anything) and reported, not fatal.
+
+The chat list comes from an index beside the chats folder (id → title, creation time, and the
+file's inode, size and time when indexed), rewritten with every save and delete. Listing checks
+it against the folder's names and `stat`s: only a file it does not know as it is now is read,
+so a page load reads no chat, and a missing, damaged or outdated index heals itself. This
+module knows nothing of the UI; it only returns the messages to show.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import logging
-import math
 import os
-import re
+import stat
 import tempfile
 import time
-import uuid
-from collections.abc import Callable
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import platformdirs
 
+from app.chat import ID, Chat, ChatFileError, chat_from_dict, clean_text, is_count, is_number, is_text, shown
+from app.chat import Turn as Turn  # the UI and older callers name chats' parts through this module
 from core.errors import UserError
-from core.tree import DRAFT_SOURCES
 
 log = logging.getLogger("medusa-chat")
 
-ID = re.compile(r"[0-9a-f]{12}")  # what Chat.new makes; nothing else may name a chat file
-SOURCES = (*DRAFT_SOURCES, "")  # a step's source; "" when it accepted no draft
 TITLE_CHARS = 80  # longest title kept by a rename
 EXPORT_NAME_BYTES = 120  # file systems cap a name at 255 bytes (not characters); leave room
 TEMP_GLOB = ".*.json.*.tmp"  # write_atomic's temporary files: f".{name}." + random + ".tmp"
 STALE_TEMP_SECONDS = 30.0  # a save takes milliseconds: an older temporary file has no writer left
-
-
-class ChatFileError(ValueError):
-    """A chat file that is not a chat this app wrote; the message says what is wrong."""
+INDEX_VERSION = 1
+_NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)  # no link followed, no FIFO waited on
+_LINK = "The file is a symbolic link; chats are read from files in the chats folder only."
 
 
 class ChatIdError(UserError, ValueError):
     """An id that Chat.new cannot have made (it could name a file outside the chats folder)."""
 
 
+@dataclass(frozen=True)
+class ChatEntry:
+    """A chat as the chat list shows it, without its turns."""
+
+    id: str
+    title: str
+    created: float
+
+
 def chats_dir() -> Path:
     return Path(platformdirs.user_data_dir("medusa-chat")) / "chats"
 
 
+def index_file() -> Path:
+    """Beside the chats folder, not in it: everything in there is a chat or a chat set aside."""
+    return chats_dir().parent / "chat-index.json"
+
+
 def settings_file() -> Path:
     return Path(platformdirs.user_config_dir("medusa-chat")) / "settings.json"
-
-
-@dataclass
-class Turn:
-    user: str
-    assistant: str = ""
-    # (text, drafted tokens accepted[, source: one of SOURCES]) per step
-    steps: list[tuple[str, int] | tuple[str, int, str]] = field(default_factory=list)
-    stats: dict = field(default_factory=dict)  # tokens, steps, seconds, … of the reply
-    finished: bool = False  # False while streaming or when stopped early
-
-
-@dataclass
-class Chat:
-    id: str
-    title: str
-    created: float
-    system: str = ""
-    model: str = ""
-    turns: list[Turn] = field(default_factory=list)
-
-    @staticmethod
-    def new(model: str = "", system: str = "") -> Chat:
-        return Chat(uuid.uuid4().hex[:12], "New chat", time.time(), system, model)
-
-    def to_markdown(self) -> str:
-        lines = [f"# {self.title}", ""]
-        if self.system:
-            lines += [f"*System:* {self.system}", ""]
-        for t in self.turns:
-            lines += ["**You:**", "", t.user, "", "**Assistant:**", "", t.assistant, ""]
-        return "\n".join(lines)
 
 
 # -- names ----------------------------------------------------------------------------------
@@ -94,8 +79,8 @@ class Chat:
 def check_id(chat_id: object) -> str:
     """chat_id unchanged if Chat.new could have made it; ChatIdError otherwise."""
     if not isinstance(chat_id, str) or not ID.fullmatch(chat_id):
-        shown = repr(chat_id)[:40]
-        raise ChatIdError(f"{shown} is not a chat id (a chat id is 12 lowercase hexadecimal digits).")
+        said = repr(chat_id)[:40]
+        raise ChatIdError(f"{said} is not a chat id (a chat id is 12 lowercase hexadecimal digits).")
     return chat_id
 
 
@@ -104,8 +89,8 @@ def chat_path(chat_id: str) -> Path:
 
 
 def clean_title(text: str | None) -> str:
-    """A title on one line, at most TITLE_CHARS characters ("" when nothing is left)."""
-    return " ".join((text or "").split())[:TITLE_CHARS].strip()
+    """A title on one line, at most TITLE_CHARS characters ("" when nothing is left), valid Unicode."""
+    return clean_text(" ".join((text or "").split())[:TITLE_CHARS].strip())
 
 
 def export_name(title: str) -> str:
@@ -116,127 +101,81 @@ def export_name(title: str) -> str:
     return f"{name or 'chat'}.md"
 
 
-# -- checking what was read -------------------------------------------------------------------
+# -- reading ----------------------------------------------------------------------------------
 
 
-def _want(ok: bool, message: str) -> None:
-    if not ok:
-        raise ChatFileError(message)
+def _read_file(file: Path) -> tuple[bytes, os.stat_result]:
+    """The bytes of a regular file and its stat; ChatFileError for a symbolic link (never
+    followed, so the file cannot be one outside the folder) or anything else but a file."""
+    if file.is_symlink():
+        raise ChatFileError(_LINK)
+    try:
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_BINARY", 0) | _NO_FOLLOW)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # made a link since is_symlink looked
+            raise ChatFileError(_LINK) from e
+        raise
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ChatFileError("The file is not a regular file.")
+        return f.read(), st
 
 
-def _is_count(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
-def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _is_text(x: object) -> bool:
-    return isinstance(x, str)
-
-
-def _is_text_or_none(x: object) -> bool:
-    return x is None or isinstance(x, str)
-
-
-def _is_sources(x: object) -> bool:
-    return isinstance(x, dict) and all(k in DRAFT_SOURCES and _is_count(n) for k, n in x.items())
-
-
-_STATS: dict[str, Callable[[object], bool]] = {  # a finished reply's stats, all read by rendering
-    "tokens": _is_count,
-    "steps": _is_count,
-    "seconds": _is_number,
-    "tokens_per_step": _is_number,
-    "tokens_per_second": _is_number,
-    "first_token_seconds": _is_number,
-    "finish_reason": _is_text,
-}
-_OPTIONAL_STATS: dict[str, Callable[[object], bool]] = {  # older chats lack drafter and sources
-    "mode": _is_text_or_none,
-    "acceptance": _is_text_or_none,
-    "tree": _is_text_or_none,
-    "drafter": _is_text_or_none,
-    "sources": _is_sources,
-}
-
-
-def _keys(data: object, required: set[str], allowed: set[str], what: str) -> dict:
-    """data if it is a JSON object with every required key and no key outside allowed.
-
-    Unknown keys are refused rather than dropped: saving the chat again would lose them."""
-    if not isinstance(data, dict):
-        raise ChatFileError(f"{what} is not a JSON object.")
-    missing, unknown = sorted(required - data.keys()), sorted(data.keys() - allowed)
-    _want(not missing, f"{what} lacks {', '.join(missing)}.")
-    _want(not unknown, f"{what} has unknown fields: {', '.join(unknown)[:200]}.")
-    return data
-
-
-def _dataclass_keys(data: object, cls: type, what: str) -> dict:
-    names = {f.name for f in fields(cls)}
-    required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
-    return _keys(data, required, names, what)
-
-
-def _stats(data: object, what: str) -> dict:
-    """Stats are empty (no finished reply) or hold every number that rendering reads."""
-    if data == {}:
-        return {}
-    d = _keys(data, set(_STATS), set(_STATS) | set(_OPTIONAL_STATS), f"{what}'s stats")
-    wrong = [k for k, ok in (_STATS | _OPTIONAL_STATS).items() if k in d and not ok(d[k])]
-    _want(not wrong, f"{what}'s stats have values of the wrong type: {', '.join(wrong)}.")
-    return dict(d)
-
-
-def _step(data: object, what: str) -> tuple:
-    ok = (
-        isinstance(data, list)
-        and len(data) in (2, 3)
-        and isinstance(data[0], str)
-        and _is_count(data[1])
-        and (len(data) == 2 or (isinstance(data[2], str) and data[2] in SOURCES))
-    )
-    _want(ok, f"{what} is not [text, drafted tokens accepted, source] with a known source.")
-    return tuple(data)  # type: ignore[arg-type]
-
-
-def _turn(data: object, what: str) -> Turn:
-    d = _dataclass_keys(data, Turn, what)
-    user, assistant = d["user"], d.get("assistant", "")
-    _want(isinstance(user, str) and isinstance(assistant, str), f"{what}'s messages are not text.")
-    finished = d.get("finished", False)
-    _want(isinstance(finished, bool), f"{what}'s finished flag is not true or false.")
-    steps = d.get("steps", [])
-    _want(isinstance(steps, list), f"{what}'s steps are not a list.")
-    checked = [_step(s, f"{what}, step {j + 1},") for j, s in enumerate(steps)]
-    return Turn(user, assistant, checked, _stats(d.get("stats", {}), what), finished)
-
-
-def chat_from_dict(data: object) -> Chat:
-    """A Chat from parsed JSON with every field checked; ChatFileError says what is wrong."""
-    d = _dataclass_keys(data, Chat, "The chat")
-    for key in ("id", "title", "system", "model"):
-        _want(isinstance(d.get(key, ""), str), f"The chat's {key} is not text.")
-    _want(ID.fullmatch(d["id"]) is not None, "The chat's id is not 12 lowercase hexadecimal digits.")
-    _want(_is_number(d["created"]), "The chat's creation time is not a finite number.")
-    turns = d.get("turns", [])
-    _want(isinstance(turns, list), "The chat's turns are not a list.")
-    checked = [_turn(t, f"Turn {i + 1}") for i, t in enumerate(turns)]
-    return Chat(d["id"], d["title"], float(d["created"]), d.get("system", ""), d.get("model", ""), checked)
-
-
-def _read(file: Path) -> Chat:
-    """The chat in file: OSError when it cannot be read, ChatFileError when it is not a chat."""
-    raw = file.read_bytes()
+def _read(file: Path) -> tuple[Chat, os.stat_result]:
+    """The chat in file and the file's stat: OSError when it cannot be read, ChatFileError when
+    it is not a chat."""
+    raw, st = _read_file(file)
     try:
         data = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, absurd nesting, huge integers
         raise ChatFileError(f"The file is not UTF-8 JSON ({type(e).__name__}).") from e
     chat = chat_from_dict(data)
-    _want(file.name == f"{chat.id}.json", f"The file's name does not match the chat's id {chat.id}.")
-    return chat
+    if file.name != f"{chat.id}.json":
+        raise ChatFileError(f"The file's name does not match the chat's id {chat.id}.")
+    return chat, st
+
+
+def _read_or_set_aside(file: Path, problems: list[str]) -> tuple[Chat, os.stat_result] | None:
+    """What `_read` gives; None when the file is gone, or damaged (then set aside, and said in problems)."""
+    try:
+        return _read(file)
+    except FileNotFoundError:
+        return None  # deleted or set aside by another tab meanwhile
+    except (OSError, ChatFileError) as e:
+        if message := _set_aside(file, e):
+            problems.append(message)
+        return None
+
+
+def _chat_files(problems: list[str] | None) -> Iterator[tuple[Path, os.stat_result]]:
+    """Each chat file in the folder with its stat (from the listing, nothing read), in name order.
+
+    Whatever else ends in .json is set aside unread, with a message in problems (None: skipped
+    and left in place): a name that is not a chat id, a symbolic link, anything not a file."""
+    try:
+        entries = sorted(os.scandir(chats_dir()), key=lambda e: e.name)
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        if not entry.name.endswith(".json"):
+            continue
+        path = Path(entry.path)
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue  # deleted or set aside by another tab meanwhile
+        if not ID.fullmatch(entry.name.removesuffix(".json")):
+            problem = ChatFileError("The file's name is not a chat id.")
+        elif stat.S_ISLNK(st.st_mode):
+            problem = ChatFileError(_LINK)
+        elif not stat.S_ISREG(st.st_mode):
+            problem = ChatFileError("The file is not a regular file.")
+        else:
+            yield path, st
+            continue
+        if problems is not None and (message := _set_aside(path, problem)):
+            problems.append(message)
 
 
 # -- files ------------------------------------------------------------------------------------
@@ -256,29 +195,32 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, text: str | bytes) -> None:
+def write_atomic(path: Path, text: str | bytes, durable: bool = True) -> None:
+    """`durable` False: not flushed to disk (a cache, rebuilt if a power cut damages it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") if isinstance(text, bytes) else os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    if durable:
+        _fsync_dir(path.parent)
 
 
 def remove_stale_temp_files() -> None:
-    """Delete the temporary files of saves killed midway (chats and settings folders).
+    """Delete the temporary files of saves killed midway (chats, index and settings folders).
 
     Only those older than STALE_TEMP_SECONDS: a younger one may belong to another app process
     saving into the same folder right now. The chat or settings file it was meant to replace
     still holds the version before it."""
     now = time.time()
-    for folder in (chats_dir(), settings_file().parent):
+    for folder in (chats_dir(), index_file().parent, settings_file().parent):
         for tmp in folder.glob(TEMP_GLOB):
             try:
                 if now - tmp.stat().st_mtime > STALE_TEMP_SECONDS:
@@ -290,7 +232,7 @@ def remove_stale_temp_files() -> None:
 def _free_corrupt_name(file: Path) -> Path:
     """file's name with .corrupt (then .1.corrupt, .2.corrupt, …), the first that is free."""
     names = (f"{file.stem}.corrupt" if n == 0 else f"{file.stem}.{n}.corrupt" for n in itertools.count())
-    return next(aside for aside in map(file.with_name, names) if not aside.exists())
+    return next(aside for aside in map(file.with_name, names) if not os.path.lexists(aside))
 
 
 def _set_aside(file: Path, reason: Exception) -> str | None:
@@ -304,9 +246,9 @@ def _set_aside(file: Path, reason: Exception) -> str | None:
         return None
     except OSError as e:
         log.warning("chat file %s unreadable (%s) and not movable (%s)", file, reason, e)
-        return f"A damaged chat file, {file.name}, could not be set aside ({e.strerror or e})."
+        return f"A damaged chat file, {shown(file.name)}, could not be set aside ({e.strerror or e})."
     log.warning("chat file %s unreadable (%s); moved to %s", file, reason, aside)
-    return f"A damaged chat file was set aside as {aside.name}."
+    return f"A damaged chat file was set aside as {shown(aside.name)}."
 
 
 def set_aside(chat_id: str, reason: Exception) -> str:
@@ -315,47 +257,135 @@ def set_aside(chat_id: str, reason: Exception) -> str:
     return message or f"The chat {chat_id} no longer exists; another tab deleted or set it aside."
 
 
+# -- the index --------------------------------------------------------------------------------
+
+
+def _fingerprint(st: os.stat_result) -> list[int]:
+    """What changes whenever a chat file does: a save renames a new file (a new inode) over it."""
+    return [st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def _entry_ok(entry: object) -> bool:
+    if not isinstance(entry, dict) or entry.keys() != {"title", "created", "file"}:
+        return False
+    file = entry["file"]
+    ok_file = isinstance(file, list) and len(file) == 3 and all(is_count(n) for n in file)
+    return ok_file and is_text(entry["title"]) and is_number(entry["created"])
+
+
+def _load_index() -> dict[str, dict] | None:
+    """The index's entries by chat id, less those not of the right shape (their chats are read
+    again); None when the index is missing or damaged."""
+    try:
+        data = json.loads(_read_file(index_file())[0].decode("utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, RecursionError) as e:  # ChatFileError (a link) is a ValueError
+        log.warning("chat index unreadable (%s); rebuilding it", e)
+        return None
+    if not isinstance(data, dict) or data.get("version") != INDEX_VERSION or not isinstance(data.get("chats"), dict):
+        return None
+    return {k: v for k, v in data["chats"].items() if isinstance(k, str) and ID.fullmatch(k) and _entry_ok(v)}
+
+
+def _save_index(entries: dict[str, dict]) -> None:
+    """Best effort: an index not written costs reading the chats it lacks, once, next time."""
+    text = json.dumps({"version": INDEX_VERSION, "chats": entries}, ensure_ascii=False)
+    try:
+        write_atomic(index_file(), text, durable=False)
+    except OSError as e:
+        log.warning("chat index not written (%s)", e)
+
+
+def _index_entry(chat: Chat, st: os.stat_result) -> dict:
+    return {"title": clean_text(chat.title), "created": chat.created, "file": _fingerprint(st)}
+
+
+def _update_index(chat_id: str, entry: dict | None) -> None:
+    """The index with chat_id's entry replaced (None: removed). Two saves at once may each
+    miss the other's change: listing finds that entry out of date and reads that chat again."""
+    entries = _load_index() or {}
+    if entry is None:
+        entries.pop(chat_id, None)
+    else:
+        entries[chat_id] = entry
+    _save_index(entries)
+
+
 # -- chats and settings -----------------------------------------------------------------------
 
 
 def save_chat(chat: Chat) -> None:
-    text = json.dumps(asdict(chat), ensure_ascii=False, indent=1)
-    write_atomic(chat_path(chat.id), text)
+    """Write the chat (a lone surrogate becomes U+FFFD, so the file is always valid UTF-8) and
+    its index entry."""
+    text = clean_text(json.dumps(asdict(chat), ensure_ascii=False, indent=1))  # surrogates only occur in strings
+    path = chat_path(chat.id)
+    write_atomic(path, text)
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return  # deleted meanwhile: listing drops its entry
+    _update_index(chat.id, _index_entry(chat, st))
 
 
 def load_chat(chat_id: str) -> Chat:
     """The chat: ChatIdError for a bad id, OSError if unreadable, ChatFileError if damaged."""
-    return _read(chat_path(chat_id))
+    return _read(chat_path(chat_id))[0]
 
 
 def list_chats() -> tuple[list[Chat], list[str]]:
-    """All readable chats, newest first, and a message for each file set aside as damaged."""
+    """All readable chats, whole (every file is read), newest first, and a message for each
+    file set aside as damaged. The chat list reads `list_entries` instead."""
     remove_stale_temp_files()
     chats, problems = [], []
-    for file in sorted(chats_dir().glob("*.json")):
-        try:
-            chats.append(_read(file))
-        except FileNotFoundError:
-            continue  # deleted or set aside by another tab meanwhile
-        except (OSError, ChatFileError) as e:
-            if message := _set_aside(file, e):
-                problems.append(message)
+    for file, _ in _chat_files(problems):
+        if (read := _read_or_set_aside(file, problems)) is not None:
+            chats.append(read[0])
     chats.sort(key=lambda c: c.created, reverse=True)
     return chats, problems
 
 
+def list_entries() -> tuple[list[ChatEntry], list[str]]:
+    """Every readable chat's id, title and creation time, newest first, and a message for each
+    file set aside as damaged. Only chat files the index does not know as they are now are read."""
+    remove_stale_temp_files()
+    index, problems = _load_index(), []
+    entries: dict[str, dict] = {}
+    for file, st in _chat_files(problems):
+        chat_id = file.stem
+        known = (index or {}).get(chat_id)
+        if known is not None and known["file"] == _fingerprint(st):
+            entries[chat_id] = known
+        elif (read := _read_or_set_aside(file, problems)) is not None:
+            entries[chat_id] = _index_entry(*read)
+    if entries != index:
+        _save_index(entries)
+    listed = [ChatEntry(chat_id, e["title"], float(e["created"])) for chat_id, e in entries.items()]
+    listed.sort(key=lambda c: c.created, reverse=True)
+    return listed, problems
+
+
 def delete_chat(chat_id: str) -> None:
     chat_path(chat_id).unlink(missing_ok=True)
+    _update_index(chat_id, None)
 
 
 def saved_replies() -> list[str]:
-    """The assistant's texts in every readable saved chat (for retrieval drafting; unreadable
-    chats are skipped here and reported where the chat list is shown)."""
-    return [turn.assistant for chat in list_chats()[0] for turn in chat.turns if turn.finished and turn.assistant]
+    """The assistant's texts in every readable saved chat, for retrieval drafting: one chat in
+    memory at a time; damaged files are skipped here, set aside and reported by the chat list."""
+    texts = []
+    for file, _ in _chat_files(None):
+        try:
+            chat = _read(file)[0]
+        except (OSError, ChatFileError):
+            continue
+        texts += [turn.assistant for turn in chat.turns if turn.finished and turn.assistant]
+    return texts
 
 
 def load_settings() -> dict:
-    """Saved settings, or {} when there are none or they are unreadable (the file is kept)."""
+    """Saved settings, or {} when there are none or they are unreadable (the file is kept).
+    Texts are made valid Unicode: the page shows them."""
     try:
         data = json.loads(settings_file().read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -363,8 +393,11 @@ def load_settings() -> dict:
     except (OSError, ValueError, RecursionError) as e:
         log.warning("settings unreadable (%s); using defaults", e)
         return {}
-    return data if isinstance(data, dict) else {}
+    if not isinstance(data, dict):
+        return {}
+    return {clean_text(k): clean_text(v) if isinstance(v, str) else v for k, v in data.items()}
 
 
 def save_settings(settings: dict) -> None:
-    write_atomic(settings_file(), json.dumps(settings, indent=1))
+    """A lone surrogate in a text becomes U+FFFD: the file is always valid UTF-8."""
+    write_atomic(settings_file(), clean_text(json.dumps(settings, ensure_ascii=False, indent=1)))

@@ -2,7 +2,8 @@
 
 A token can end in the middle of a UTF-8 character; decoding it alone gives U+FFFD. The delta
 is held back until the character is complete, and a few earlier tokens are kept as context
-so that tokenizers that drop or add leading spaces decode the same as the whole reply.
+so that tokenizers that drop or add leading spaces decode the same as the whole reply. A
+character still incomplete when the reply ends (cut by its token limit) is left out.
 """
 
 from __future__ import annotations
@@ -38,8 +39,13 @@ class Detokenizer:
         return delta
 
     def flush(self) -> str:
-        """At the end: whatever is left, even an incomplete character."""
+        """At the end: whatever is left, less the tokens of a character left incomplete at the
+        very end (a reply cut by its token limit mid-character would end in U+FFFD)."""
+        end = len(self.ids)
         full = self._decode(self.ids)
+        while full.endswith("\ufffd") and end > self.read:  # held back: only push's pending tokens go
+            end -= 1
+            full = self._decode(self.ids[:end])
         delta = full[len(self.text) :] if full.startswith(self.text) else ""
         self.text += delta
         return delta

@@ -81,7 +81,10 @@ def test_models_lists_the_loaded_model(unloaded):
 
 def test_a_malformed_body_is_an_error_object(unloaded):
     url = "/v1/chat/completions"
-    assert "not valid JSON" in assert_error(unloaded.post(url, content=b"{nope"), 400, code="invalid_json")
+    typed = {"Content-Type": "application/json"}
+    assert "not valid JSON" in assert_error(
+        unloaded.post(url, content=b"{nope", headers=typed), 400, code="invalid_json"
+    )
     assert_error(unloaded.post(url, json=[1, 2]), 400, code="invalid_body")
     assert_error(unloaded.post(url, json={"model": EMBEDDED_ID}), 400, "messages")
     assert_error(post(unloaded, messages=[{"role": "user", "content": {"x": 1}}]), 400, "messages[0].content")
@@ -108,6 +111,8 @@ def test_an_unknown_model_is_404(unloaded):
         ("drafter", "oracle", "medusa, lookup, retrieval, hybrid, eagle"),
         ("stop", [""], "must not be empty"),
         ("n", 2, "not supported"),
+        ("n", True, "not supported"),
+        ("seed", 10**30, "2**64 - 1"),
     ],
 )
 def test_bad_settings_name_the_field(unloaded, field, value, words):
@@ -218,7 +223,8 @@ def test_a_stop_string_ends_the_reply_before_it_streamed_or_whole(server, cli_re
 @pytest.mark.embedded
 def test_errors_from_the_running_server(server):
     url = f"{server.url}/v1/chat/completions"
-    assert_error(httpx.post(url, content=b'{"model": ', timeout=60), 400, code="invalid_json")
+    typed = {"Content-Type": "application/json"}
+    assert_error(httpx.post(url, content=b'{"model": ', headers=typed, timeout=60), 400, code="invalid_json")
     with pytest.raises(openai.NotFoundError) as lost:
         client(server).chat.completions.create(model="no-such-model", messages=messages())
     assert lost.value.status_code == 404 and lost.value.body["code"] == "model_not_found"
