@@ -16,6 +16,7 @@ import secrets
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,7 @@ from core.eagle import EagleDraft
 from core.errors import UserError
 from core.generate import Finished, StepEvent, context_length, stream
 from core.history import Fitted, fit_history
+from core.precision import EXACT, compute_dtype, exactness, quantization
 from core.retrieval import Corpus
 from core.settings import MODES, DecodeSettings
 from core.step import Drafter
@@ -106,9 +108,10 @@ class Engine:
         self._drafters_lock = threading.Lock()  # the chat and the API ask from threads of their own
         self.compute = ComputeThread()
 
-    def start(self) -> None:
-        """Load the initial model in the background."""
-        self.compute.submit(self._load_initial)
+    def start(self) -> Future[None]:
+        """Load the initial model in the background; the future is done once it has loaded (or
+        failed, saying why in `error`)."""
+        return self.compute.submit(self._load_initial)
 
     def _load_initial(self) -> None:
         try:
@@ -179,9 +182,12 @@ class Engine:
         heads = "trained heads" if self.loaded.trained else "untrained heads (few drafts accepted)"
         heads += " · EAGLE drafter" if self.loaded.eagle is not None else ""
         dtype = str(b.model.dtype).removeprefix("torch.")
-        # below float32, torch's many-token verify forward rounds differently from a one-token one
-        exact = "" if fast.rows_alike(b.model) else f" · lossless is exact up to {dtype} rounding"
+        # a tree's many-row verify forward may round unlike a one-row step (bf16, 4-bit kernels, GPUs)
+        promise = exactness(b.model)
+        exact = "" if promise == EXACT else f" · lossless is {promise}"
         precision = f"4-bit weights, {dtype}" if fast.layer_kernel(b.model) in ("int4", "q4") else dtype
+        if quant := quantization(b.model):  # bitsandbytes' layers compute in its own dtype, whatever --dtype said
+            precision = f"{quant} weights, {str(compute_dtype(b.model)).removeprefix('torch.')}"
         return f"**Ready:** {self.model_id} · {precision} on {b.model.device.type} · {heads}{exact}"
 
     def require(self) -> Loaded:
@@ -296,4 +302,5 @@ def figures(done: Finished) -> dict:
         "tokens": len(done.token_ids), "steps": done.steps, "seconds": done.seconds,
         "tokens_per_step": done.tokens_per_step, "tokens_per_second": done.tokens_per_second,
         "first_token_seconds": done.first_token_seconds, "finish_reason": done.finish_reason,
+        "exactness": done.exactness,
     }  # fmt: skip

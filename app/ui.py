@@ -1,7 +1,8 @@
 """The Gradio chat: layout and event handlers. No decoding logic and no module-level state.
 
 Everything per user lives in a `Session` held by `gr.State`; the loaded model is the
-`Engine` passed to `build`. Every turn is saved atomically as soon as it ends (or is stopped).
+`Engine` passed to `build`. The user's message is saved before its reply starts, and the turn
+again, atomically, as soon as it ends (or is stopped).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def _messages(chat: store.Chat, colors: bool) -> list[dict]:
 
 
 def _chat_choices() -> tuple[list[tuple[str, str]], list[str]]:
-    chats, problems = store.list_chats()
+    chats, problems = store.list_entries()  # from the index: a page load reads no chat file
     return [(c.title, c.id) for c in chats], problems
 
 
@@ -181,8 +182,6 @@ def build(engine: Engine) -> gr.Blocks:
                         "sources": sources,
                     }  # fmt: skip
                     s.medusa_stats = turn.stats
-                    if s.chat.title == "New chat":
-                        s.chat.title = turn.user.strip().splitlines()[0][:60] or "Chat"
                     s.chat.model = engine.model_id
                     store.save_chat(s.chat)
                     yield _messages(s.chat, c.colors), _stats(turn.stats, s.events, reply.depth), True
@@ -211,13 +210,17 @@ def build(engine: Engine) -> gr.Blocks:
                 gr.Warning("Type a message first.")
                 yield gr.skip(), s, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
                 return
+            message = store.clean_text(message)  # a lone surrogate sent through the API cannot be saved
             try:  # a bad setting or a message that cannot fit is refused before the turn is stored
                 engine.reply(c.request(_conversation(s.chat.turns, message)))  # runs nothing until its events are read
             except UserError as e:
                 gr.Warning(str(e))
                 yield gr.skip(), s, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
                 return
-            s.chat.turns.append(store.Turn(user=message))
+            if problem := _begin_turn(s, message, engine.model_id):
+                gr.Warning(problem)
+                yield gr.skip(), s, gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+                return
             yield from _stream_turn(s, c)
 
         def _stream_turn(s: Session, c: Controls):
@@ -430,6 +433,23 @@ def _conversation(turns: list[store.Turn], message: str) -> list[dict]:
 
 def _pair(turn: store.Turn) -> list[dict]:
     return [{"role": "user", "content": turn.user}, {"role": "assistant", "content": turn.assistant}]
+
+
+def _begin_turn(s: Session, message: str, model_id: str) -> str | None:
+    """Add the user's message as a new turn and save the chat before the reply starts, so that a
+    kill during the reply loses none of it; the warning to show when the chat cannot be saved."""
+    title = s.chat.title
+    s.chat.turns.append(store.Turn(user=message))
+    if title == "New chat":
+        s.chat.title = message.strip().splitlines()[0][:60] or "Chat"
+    s.chat.model = model_id
+    try:
+        store.save_chat(s.chat)
+    except OSError as e:  # a full disk, a read-only folder: the message stays in its box
+        s.chat.turns.pop()
+        s.chat.title = title
+        return f"The chat could not be saved ({e.strerror or e}), so the message was not sent."
+    return None
 
 
 def _save_partial(s: Session) -> None:

@@ -12,13 +12,14 @@ included, so tokens per step is the paper's acceleration rate and plain decoding
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 import torch
 from transformers import PreTrainedModel
 
+from core import precision
+from core.clock import now
 from core.errors import UserError
 from core.generate import collect, stream
 from core.settings import DecodeSettings
@@ -144,10 +145,10 @@ def _run_hf(
         # generate() samples from torch's own generator: seed it inside a fork that restores it
         with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []):
             torch.manual_seed(seed)
-            start = time.perf_counter()
+            start = now(model.device)
             with torch.inference_mode():
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), **options)
-            seconds = time.perf_counter() - start
+            seconds = now(model.device) - start
     finally:
         hook.remove()
     return tuple(out[0, len(prompt_ids) :].tolist()), calls[0], seconds
@@ -228,6 +229,24 @@ def first_difference(a: tuple[int, ...], b: tuple[int, ...]) -> int | None:
     if a == b:
         return None
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def precision_label(model: PreTrainedModel) -> str:
+    """The precision our loop ran in: "bfloat16", or "nf4 weights, bfloat16 compute"."""
+    compute = str(precision.compute_dtype(model)).removeprefix("torch.")
+    quant = precision.quantization(model)
+    return f"{quant} weights, {compute} compute" if quant else compute
+
+
+def agreement(summary: dict[str, Summary], prompts: int, label: str) -> str:
+    """One line: for every mode, how many of the `prompts` replies equal the plain loop's token
+    for token, in the precision `label` (the "= plain" column of `table`)."""
+    counts = [
+        f"{mode} {s.exact}/{prompts}" for mode, s in summary.items() if s.exact is not None and mode != "baseline"
+    ]
+    if not counts:
+        return f"agreement with the plain loop in {label}: no plain loop ran"
+    return f"agreement with the plain loop in {label}: {', '.join(counts)}"
 
 
 def speedups(summary: dict[str, Summary], of: str = "medusa") -> dict[str, float]:

@@ -9,12 +9,27 @@ same tokens.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 from torch import Tensor, nn
 from transformers import DynamicCache
 
 from core import fast
 
 Cache = DynamicCache | fast.StaticKV
+
+
+def argument(module: nn.Module, cache: Cache | None) -> dict[str, Cache | None]:
+    """`cache` as the keyword `module`'s forward takes it: `cache` in the transformers installed
+    here (`past_key_values`, its older name, is deprecated and goes in 5.40), `past_key_values`
+    in releases before the rename."""
+    return {_keyword(type(module)): cache}
+
+
+@functools.cache
+def _keyword(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
 def new_cache(model: nn.Module | None = None) -> Cache:

@@ -50,6 +50,9 @@ class MedusaDrafter:
         self.gather = tree.candidate_index()  # (T - 1,) into the flattened (depth, top_k) table
 
     def propose(self, hidden: Tensor, root: Tensor, history: Sequence[int] = ()) -> Draft:
+        if self.tree.depth.device != root.device:  # the tree's positions and mask go to the model
+            self.tree = self.tree.on(root.device)
+            self.gather = self.tree.candidate_index()
         if self.tree.size == 1:
             return Draft(root.view(1), self.tree)
         with torch.inference_mode():
@@ -78,6 +81,7 @@ class LookupDrafter:
         self.root_only = build_tree([])
 
     def propose(self, hidden: Tensor, root: Tensor, history: Sequence[int] = ()) -> Draft:
+        self.root_only = self.root_only.on(root.device)  # a lone root too is verified on the model's device
         draft = self.base.propose(hidden, root, history) if self.base else Draft(root.view(1), self.root_only)
         found, source = continuations(self.index, self.corpus, history, self.branches, self.length, self.length)
         return with_branches(draft, found, source)
@@ -105,13 +109,14 @@ def continuations(
 
 
 def with_branches(draft: Draft, found: list[list[int]], source: int) -> Draft:
-    """`draft` with the continuations `found` grafted under its root (see `tree.graft`)."""
+    """`draft` with the continuations `found` grafted under its root (see `tree.graft`), on the
+    draft's device."""
     if not found:
         return draft
     base = list(draft.sources) if draft.sources else None
     tokens, tree, sources = graft(draft.tree, draft.tokens.tolist(), found, source, base)
     device = draft.tokens.device
-    return Draft(torch.tensor(tokens, device=device), tree if device.type == "cpu" else tree.to(device), tuple(sources))
+    return Draft(torch.tensor(tokens, device=device), tree.on(device), tuple(sources))
 
 
 def make_drafter(

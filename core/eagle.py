@@ -31,6 +31,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
+from core import cache as kv
 from core.errors import UserError
 from core.files import save_tensors
 
@@ -118,7 +119,7 @@ class EagleDraft(nn.Module):
             x,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=cache,
+            **kv.argument(self.layer, cache),
             use_cache=cache is not None,
             position_embeddings=cos_sin,
         )

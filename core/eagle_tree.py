@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import copy
 import math
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from core import fast
+from core.clock import now
 from core.drafters import continuations, with_branches
 from core.eagle import EagleDraft, scaled_taps
 from core.errors import UserError
@@ -53,11 +53,8 @@ class LeanDraft:
             (k for k in ("q8", "onednn") if device.type == "cpu" and fast.kernel_works(k, dtype)), "dense"
         )  # q8: the library runs the whole layer in one call (fast.run_native)
         config = draft.layer.self_attn.config
-        layer = type(draft.layer)(config, 0)  # a copy to pack: the draft itself stays as it is
-        layer.input_layernorm = copy.deepcopy(draft.layer.input_layernorm)
-        layer.load_state_dict(draft.layer.state_dict())
-        layer.to(device=device, dtype=dtype)
-        fast.pack_layer(layer, kernel)
+        layer = copy.deepcopy(draft.layer).to(device=device, dtype=dtype)  # a copy to pack, made where the draft is
+        fast.pack_layer(layer, kernel)  # on a GPU "dense", and torch's ops (fast.LeanLayer keys them by device)
         self.fc = fast.PackedLinear(draft.fc.weight.to(dtype), draft.fc.bias.to(dtype), kernel)
         self.taps = draft.taps
         self.fuse = fast.PackedLinear(draft.fuse.weight.to(dtype), None, kernel) if draft.taps else None
@@ -170,12 +167,13 @@ class EagleDrafter:
     # -- a step's tree ------------------------------------------------------------------------
 
     def propose(self, hidden: Tensor, root: Tensor, history: Sequence[int] = ()) -> Draft:
-        t0 = time.perf_counter()
+        t0 = now(root.device)
         self.last_choice = None
         self._drafted = False
         curve = self.curve() or self._prior()
         found, source = continuations(self.index, self.corpus, history, self.branches, self.length, RETRIEVAL_LENGTH)
         extra = node_count(found)
+        self.root_only = self.root_only.on(root.device)  # a plain step's tree is verified on the model's device
         plain = Draft(root.view(1), self.root_only)
         probe = self._plain_streak % PROBE_EVERY == PROBE_EVERY - 1
         if (self.fixed_budget is None and self._plain_streak and not probe) or not self._flush():
@@ -184,7 +182,7 @@ class EagleDrafter:
             return self._finish(plain, found if pays or self.fixed_budget else [], source, [], curve)
         tokens, parent, scores = self._grow()
         self._drafted = True
-        draft_ms = (time.perf_counter() - t0) * 1000
+        draft_ms = (now(root.device) - t0) * 1000
         self.draft_ms = 0.8 * self.draft_ms + 0.2 * draft_ms
         order = sorted(range(len(scores)), key=lambda i: -scores[i])
         chance = (torch.tensor(scores).exp() * self.calibration).clamp(max=1.0)
@@ -203,7 +201,7 @@ class EagleDrafter:
         tree = from_parents(parents, [-1] * len(parents))
         device = root.device
         ids = torch.tensor([int(root)] + [tokens[n] for n in keep], device=device)
-        draft = Draft(ids, tree if device.type == "cpu" else tree.to(device), (ROOT,) + (EAGLE,) * len(keep))
+        draft = Draft(ids, tree.on(device), (ROOT,) + (EAGLE,) * len(keep))
         return self._finish(draft, found, source, chance[keep].tolist(), curve)
 
     def _finish(

@@ -226,13 +226,6 @@ def layer_kernel(model: nn.Module) -> str | None:
     return forward.layers[0].qkv.kernel if forward is not None and forward.layers else None
 
 
-def rows_alike(model: nn.Module) -> bool:
-    """Whether a tree's verify forward gives every node the bits a one-token step would: in fp32,
-    and wherever the library's decoder runs the layers (its rows are computed alone)."""
-    forward = forward_of(model)
-    return model.dtype == torch.float32 or (forward is not None and forward.native is not None)
-
-
 def describe(model: nn.Module) -> str:
     """How the model's forward runs, for reports and the step-cost key: "lean, int4 layers, onednn
     lm_head", "lean, q4 layers in one call, q8 lm_head" or "transformers"."""
@@ -316,7 +309,7 @@ class LeanLayer:
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.inner = config.intermediate_size
         self.index = index
-        self.ops = q4.ops(_dtype(layer))
+        self.ops = q4.ops(*_dtype_device(layer))  # the library's ops for host tensors only
         self.norm1, self.norm2 = _norm(layer.input_layernorm, self.ops), _norm(layer.post_attention_layernorm, self.ops)
         self.qkv, self.o_proj = layer.self_attn.qkv, layer.self_attn.o_proj
         self.gate_up, self.down = layer.mlp.gate_up, layer.mlp.down_proj
@@ -370,7 +363,7 @@ class FastForward:
         self.kv_heads, self.head_dim = first.kv_heads, first.head_dim
         self.dtype = model.dtype
         self.rope = Rope(base.rotary_emb, self.head_dim, self.dtype)
-        self.final_norm = _norm(base.norm, q4.ops(self.dtype))
+        self.final_norm = _norm(base.norm, q4.ops(self.dtype, model.device))
         self.row_head = False  # a tree's logits a node at a time (set by `accelerate`, measured)
         self.native = native_decoder(base.layers, config, self.layers)  # every layer in one call, or None
         self._modules, self._config = base.layers, config
@@ -467,9 +460,10 @@ def native_decoder(layers: nn.ModuleList, config, lean: list[LeanLayer]) -> q4.D
     return q4.Decoder(one.ops, weights, config.hidden_size, one.heads, one.kv_heads, one.head_dim, one.inner, eps)
 
 
-def _dtype(layer: nn.Module) -> torch.dtype:
-    """The dtype a decoder layer computes in (its first floating parameter's)."""
-    return next(p.dtype for p in layer.parameters() if p.is_floating_point())
+def _dtype_device(layer: nn.Module) -> tuple[torch.dtype, torch.device]:
+    """The dtype a decoder layer computes in and the device it runs on (its first floating parameter's)."""
+    weight = next(p for p in layer.parameters() if p.is_floating_point())
+    return weight.dtype, weight.device
 
 
 def _eps(norm: nn.Module) -> float:

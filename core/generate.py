@@ -8,7 +8,6 @@ the benchmark and the tests all consume this stream; `collect` gathers it.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -17,6 +16,8 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from core import cache as kv
+from core import precision
+from core.clock import now
 from core.errors import ContextExceeded, UserError
 from core.settings import DecodeSettings
 from core.step import Draft, Drafter, NoDrafter, accept, commit, first_token, prefill, verify
@@ -54,6 +55,7 @@ class Finished:
     seconds: float  # wall time from the prompt to the last token
     first_token_seconds: float  # time to first token (the prefill)
     finish_reason: str  # one of FINISH_REASONS
+    exactness: str = precision.EXACT  # against plain decoding: "exact", "exact up to bfloat16 rounding"…
 
     @property
     def tokens_per_second(self) -> float:
@@ -90,7 +92,7 @@ def stream(
     limit = min(settings.max_new_tokens, context - len(prompt_ids))
     detok = Detokenizer(tokenizer)
     out: list[int] = []
-    start = time.perf_counter()
+    start = now(device)  # every clock read waits for the device: a GPU's work is timed, not its launch
     cache = kv.new_cache(model)
 
     def event(
@@ -103,14 +105,14 @@ def stream(
         drafting: float = 0.0,
         choice=None,
     ) -> StepEvent:
-        now = time.perf_counter()
+        end = now(device)
         nodes = path.tolist()
         if draft is None:  # the prefill
-            return StepEvent(step, tuple(new), detok.push(new), 0, (0,), (), 0, now - t0, len(out) / (now - start))
+            return StepEvent(step, tuple(new), detok.push(new), 0, (0,), (), 0, end - t0, len(out) / (end - start))
         kinds = tuple(SOURCES[draft.source(i)] for i in range(draft.tree.size))
         return StepEvent(
             step, tuple(new), detok.push(new), accepted, tuple(nodes), tuple(draft.tokens.tolist()),
-            draft.tree.size, now - t0, len(out) / (now - start),
+            draft.tree.size, end - t0, len(out) / (end - start),
             sources=tuple(kinds[i] for i in nodes[1:]), parents=tuple(draft.tree.parent.tolist()), node_sources=kinds,
             draft_seconds=drafting,
             choice=choice.reason if choice else "", expected_tokens=choice.expected_tokens if choice else 0.0,
@@ -129,7 +131,7 @@ def stream(
         new, reason = _trim([int(root)], out, eos, limit)
         out += new
         history = [*prompt_ids, *new]
-        first_token_seconds = time.perf_counter() - start
+        first_token_seconds = now(device) - start
         yield (e := event(1, new, 0, torch.zeros(1, dtype=torch.long), None, start))
         reason = reason or _stopped(detok.text, e.text, settings.stop)
 
@@ -139,14 +141,14 @@ def stream(
             if should_stop():
                 reason = "cancelled"
                 break
-            t0 = time.perf_counter()
+            t0 = now(device)
             step += 1
             prefix_len = kv.length(cache)
             draft = drafter.propose(hidden, root, history)
             choice = getattr(drafter, "last_choice", None)
             if prefix_len + draft.tree.max_depth >= context:  # the tree would need positions the model lacks
                 draft = plain.propose(hidden, root)
-            drafting = time.perf_counter() - t0
+            drafting = now(device) - t0
             fwd = verify(model, cache, draft, taps)
             result = accept(fwd, draft, settings, generator)
             commit(cache, prefix_len, result)
@@ -156,7 +158,7 @@ def stream(
                 feed(fwd.backbone_features(result.path), emitted, prefix_len)
             tokens = emitted.tolist()
             if observe := getattr(drafter, "observe", None):  # adaptive drafters learn from each step
-                observe(draft, tokens, time.perf_counter() - t0)
+                observe(draft, tokens, now(device) - t0)
             new, reason = _trim(tokens, out, eos, limit)
             out += new
             history += new
@@ -166,8 +168,9 @@ def stream(
     # 3) finish
     detok.flush()
     text = _cut_at_stop(detok.text, settings.stop)
-    seconds = time.perf_counter() - start
-    yield Finished(tuple(out), text, step, seconds, first_token_seconds, reason)
+    seconds = now(device) - start
+    exactness = precision.exactness(model, settings, tree=not isinstance(drafter, NoDrafter))
+    yield Finished(tuple(out), text, step, seconds, first_token_seconds, reason, exactness)
 
 
 def context_length(model: PreTrainedModel) -> int:

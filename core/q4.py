@@ -367,9 +367,10 @@ def _raise_for(code: int, head_dim: int) -> None:
         raise MemoryError("the step kernel could not allocate its scratch memory")
 
 
-def ops(dtype: torch.dtype) -> Ops | None:
-    """The library's step ops for a model in `dtype` (bf16 only), or None where they do not run."""
-    lib = library() if dtype == torch.bfloat16 else None
+def ops(dtype: torch.dtype, device: torch.device | str = "cpu") -> Ops | None:
+    """The library's step ops for a model in `dtype` (bf16 only) on `device` (the CPU only: they
+    read host memory), or None where they do not run."""
+    lib = library() if dtype == torch.bfloat16 and torch.device(device).type == "cpu" else None
     return None if lib is None else Ops(lib)
 
 

@@ -56,8 +56,7 @@ class NoDrafter:
         self.tree = build_tree([]).to(device)
 
     def propose(self, hidden: Tensor, root: Tensor, history: Sequence[int] = ()) -> Draft:
-        if self.tree.depth.device != root.device:
-            self.tree = self.tree.to(root.device)
+        self.tree = self.tree.on(root.device)
         return Draft(root.view(1), self.tree)
 
 
@@ -112,8 +111,9 @@ def prefill(model: PreTrainedModel, cache: kv.Cache, ids: Tensor, taps: tuple[in
         positions = torch.arange(past, past + ids.numel(), device=ids.device)
         every, tapped = fast.forward_of(model).run(ids, positions, None, cache, taps)
     else:
-        out = model.base_model(
-            input_ids=ids.view(1, -1), past_key_values=cache, use_cache=True, output_hidden_states=bool(taps)
+        base = model.base_model
+        out = base(
+            input_ids=ids.view(1, -1), **kv.argument(base, cache), use_cache=True, output_hidden_states=bool(taps)
         )
         every, tapped = out.last_hidden_state[0], _tapped(out, taps)  # (n, H)
     hidden = every[-1:]
@@ -142,11 +142,12 @@ def decoder_layers(
     the nodes are appended to `cache`."""
     if isinstance(cache, fast.StaticKV):
         return fast.forward_of(model).run(draft.tokens, draft.tree.depth + past, mask, cache, taps)
-    out = model.base_model(
+    base = model.base_model
+    out = base(
         input_ids=draft.tokens.view(1, -1),
         attention_mask=mask,
         position_ids=(draft.tree.depth + past).view(1, -1),
-        past_key_values=cache,
+        **kv.argument(base, cache),
         use_cache=True,
         output_hidden_states=bool(taps),
     )

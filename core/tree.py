@@ -81,6 +81,11 @@ class TreeBuffers:
         tensors = ("depth", "parent", "rank", "visible", "children")
         return replace(self, **{name: getattr(self, name).to(device) for name in tensors})
 
+    def on(self, device: torch.device | str) -> TreeBuffers:
+        """The tree on `device` (the model's, where its positions and mask meet the model's
+        tensors): itself when it is there already, else a copy there."""
+        return self if self.depth.device == torch.device(device) else self.to(device)
+
 
 def from_parents(parent: list[int], rank: list[int], paths: tuple[Path_, ...] = ()) -> TreeBuffers:
     """Buffers of the tree whose node i > 0 hangs under parent[i] < i (node 0 is the root).

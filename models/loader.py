@@ -7,6 +7,7 @@ how much memory it will take; `heads_for` finds the heads to draft with.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 from dataclasses import dataclass
@@ -22,13 +23,13 @@ from core.errors import UserError
 from core.retrieval import Corpus, load_corpus
 from core.tune import costs, kernels
 from models import catalog, hub
+from models.choices import DTYPE_NAMES, QUANTIZATIONS
 from models.cpu import transpose_linears
 from models.eagle_formats import EAGLE_FILES, load_published
 from models.embedded import EMBEDDED_ID, cache_dir, embedded_dir
 from models.heads import MedusaHeads, load_heads
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-QUANTIZATIONS = ("auto", "none", "nf4", "int8", "int4")  # int4: weight-only, CPU, Llama-family
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 BACKBONE_FILES = ["*.json", "*.safetensors", "*.bin", "tokenizer.model", "*.txt"]
 HEAD_FILES = ["config.json", "medusa_lm_head.safetensors", "medusa_lm_head.pt"]
 
@@ -146,7 +147,20 @@ def pick_device(name: str = "auto") -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for but no CUDA GPU is visible; use --device cpu.")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is not None and device.index >= (count := torch.cuda.device_count()):
+        raise UserError(
+            f"--device {name} was asked for but {count} CUDA GPU(s) are visible; use cuda:0 to cuda:{count - 1}."
+        )
+    return device
+
+
+def device_map(device: torch.device) -> dict[str, str]:
+    """Everything on `device`, as `from_pretrained` takes it for quantized loads (which place the
+    weights themselves, and left alone put them on the current GPU whatever --device says)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return {"": str(device)}
 
 
 def pick_dtype(name: str, device: torch.device, config: object | None = None) -> torch.dtype:
@@ -210,7 +224,9 @@ def load_backbone(
         torch_dtype = pick_dtype(dtype, dev, config.get_text_config())
     options = {"dtype": torch_dtype}
     if quant in ("nf4", "int8"):
-        options["quantization_config"] = _bnb_config(quant, torch_dtype)
+        options["quantization_config"] = _bnb_config(quant, torch_dtype, dev)
+    if quant in ("nf4", "int8", "pre-quantized"):
+        options["device_map"] = device_map(dev)
     if quant != "pre-quantized":
         label = {"nf4": "4-bit nf4", "int8": "8-bit", "int4": "4-bit int4"}.get(
             quant, str(torch_dtype).removeprefix("torch.")
@@ -235,11 +251,20 @@ def load_backbone(
     return Backbone(spec.name, model, tokenizer, _eos_ids(model, tokenizer), spec.chat_template, spec.folder)
 
 
-def load_stock(backbone: Backbone, dtype: torch.dtype) -> PreTrainedModel:
+def load_stock(backbone: Backbone, dtype: torch.dtype, same_quantization: bool = False) -> PreTrainedModel:
     """The backbone's model as stock transformers loads it, with none of our speed-ups: the
-    reference the benchmark compares against."""
+    reference the benchmark compares against. `same_quantization`: in the backbone's own
+    bitsandbytes setting (its dtype and 4- or 8-bit weights) where it has one, on its device."""
+    device = backbone.model.device
+    quant = getattr(backbone.model.config, "quantization_config", None)
+    if same_quantization and quant is not None:
+        options = {"quantization_config": quant} if not isinstance(quant, dict) else {}  # a dict: the repo's own
+        model = AutoModelForCausalLM.from_pretrained(
+            backbone.folder, dtype=backbone.model.dtype, device_map=device_map(device), **options
+        )
+        return model.eval()
     model = AutoModelForCausalLM.from_pretrained(backbone.folder, dtype=dtype)
-    return model.to(backbone.model.device).eval()
+    return model.to(device).eval()
 
 
 def _pick_quantization(name: str, device: torch.device, config: object, four_bit: bool = False) -> str:
@@ -265,12 +290,17 @@ def _pick_quantization(name: str, device: torch.device, config: object, four_bit
     return name
 
 
-def _bnb_config(quant: str, dtype: torch.dtype):
+def _bnb_config(quant: str, dtype: torch.dtype, device: torch.device | None = None):
     try:
-        import bitsandbytes  # noqa: F401
+        import bitsandbytes
         from transformers import BitsAndBytesConfig
     except ImportError as e:
         raise UserError("4-bit and 8-bit loading need bitsandbytes; run `pip install bitsandbytes`.") from e
+    if device is not None and device.type == "cpu" and importlib.util.find_spec("bitsandbytes.backends.cpu") is None:
+        raise UserError(
+            f"bitsandbytes {bitsandbytes.__version__} runs {quant} on CUDA only; on the CPU use --quantization int4 "
+            "(Llama-family models) or none, or update bitsandbytes."
+        )
     if quant == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)
     compute = dtype if dtype != torch.float32 else torch.bfloat16

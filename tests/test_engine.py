@@ -105,7 +105,7 @@ def test_cache_after_commit_equals_plain_cache(arch):
             root = result.next_token
     assert kv.length(cache) == len(committed)
     plain = kv.new_cache()  # transformers' own forward and cache over the committed tokens
-    model(torch.tensor([committed]), past_key_values=plain, use_cache=True)
+    model(torch.tensor([committed]), **kv.argument(model, plain), use_cache=True)
     for i, theirs in enumerate(plain.layers):
         if isinstance(cache, fast.StaticKV):
             ours = (cache.keys[i, :, : cache.length][None], cache.values[i, :, : cache.length][None])

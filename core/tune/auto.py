@@ -97,7 +97,7 @@ class AutoDrafter:
             sources = tuple(merged)
         self._last = (choice, candidates, probs, found, retrieved, evidence)
         device = root.device
-        return Draft(torch.tensor(tokens, device=device), tree if device.type == "cpu" else tree.to(device), sources)
+        return Draft(torch.tensor(tokens, device=device), tree.on(device), sources)
 
     def _offer(self, found: list[list[int]], retrieved: list[list[int]], evidence: int) -> tuple:
         """The lookup this step offers the policy and its continuations: both lookups when their

@@ -25,6 +25,7 @@ import torch
 
 from core import cache as kv
 from core import q4
+from core.clock import synchronizer
 from core.settings import DecodeSettings
 from core.step import Draft, NoDrafter, accept, commit, prefill, verify
 from core.tune.policy import RANKS, CostCurve
@@ -54,7 +55,7 @@ def measure(model, heads, repeats: int = 3, budget_s: float = BUDGET_S) -> Itera
     a caller can let other work run in between, and the curve last. Run it on the thread that
     runs the model: with OpenMP, a second thread's kernels run about half as fast."""
     device = model.device
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = synchronizer(device)
     vocab = model.config.get_text_config().vocab_size
     context = [(7919 * i) % vocab for i in range(1, CONTEXT + 1)]  # any real token ids
     settings = DecodeSettings()

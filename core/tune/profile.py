@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from core import cache as kv
+from core.clock import synchronizer
 from core.settings import DecodeSettings
 from core.step import (
     Draft,
@@ -145,7 +146,7 @@ def step_costs(
     """The cost of one step after `context`, for each tree size. `drafter_for(tree)` builds the
     drafter whose proposal is timed (None: the tree's tokens are given, drafting costs 0)."""
     device = model.device
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = synchronizer(device)
     settings = DecodeSettings()
     cache = kv.new_cache(model)
     with torch.inference_mode():
@@ -194,7 +195,7 @@ def _parts(model, cache, past: int, draft: Draft, settings: DecodeSettings, repe
             kv.truncate(cache, past)
 
         timed = {
-            "mask_ms": time_ms(lambda: tree_mask(model, draft, past), repeats) if tree.size > 1 else 0.0,
+            "mask_ms": time_ms(lambda: tree_mask(model, draft, past), repeats, sync) if tree.size > 1 else 0.0,
             "layers_ms": time_ms(layers, repeats, sync),
             "lm_head_ms": time_ms(lambda: project(model, hidden), repeats, sync),
             "accept_ms": time_ms(lambda: accept(fwd, draft, settings, None), repeats, sync),
