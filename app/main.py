@@ -10,6 +10,7 @@ in the log file. stdout carries only what a command was asked for: the reply, it
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 import traceback
@@ -18,27 +19,24 @@ from typing import NoReturn
 
 import platformdirs
 
-from app.cli import (
-    bench,
-    calibrate,
-    catalog,
-    export,
-    generate,
-    install_desktop,
-    profile,
-    train_drafter,
-    train_heads,
-    ui,
-)  # fmt: skip
+from app.cli import catalog
 from core.errors import UserError
 
 log = logging.getLogger("medusa-chat")
 
 DEFAULT_COMMAND = "ui"
-MODULES = {
-    "ui": ui, "generate": generate, "bench": bench, "profile": profile, "train-heads": train_heads,
-    "train-drafter": train_drafter, "calibrate": calibrate, "export": export, "install-desktop": install_desktop,
-}  # fmt: skip
+# the commands each defined by the module of its name under app.cli (an underscore for a dash)
+MODULES = (
+    "ui",
+    "generate",
+    "bench",
+    "profile",
+    "train-heads",
+    "train-drafter",
+    "calibrate",
+    "export",
+    "install-desktop",
+)
 COMMANDS = (*MODULES, "models", "download")
 
 
@@ -49,7 +47,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}; see `{self.prog} --help`.\n")
 
 
-def parser() -> argparse.ArgumentParser:
+def parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of `command` (None: of every command, for the program's help). Only the command
+    run is imported, so a mistake in its options is refused before torch or the web server load."""
     root = _Parser(
         prog="medusa-chat",
         description=__doc__.split("\n\n")[0],
@@ -57,10 +57,14 @@ def parser() -> argparse.ArgumentParser:
         "takes every option of `medusa-chat ui`.",
     )
     sub = root.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for name, module in MODULES.items():
+    for name in MODULES:
+        if command not in (None, name):
+            sub.add_parser(name)
+            continue
+        module = importlib.import_module(f"app.cli.{name.replace('-', '_')}")
         p = sub.add_parser(name, help=module.HELP, description=module.__doc__.splitlines()[0])
         module.add_arguments(p)
-        p.set_defaults(run=module.run)
+        p.set_defaults(run=module.run, check=getattr(module, "check", None))
     sub.add_parser("models", help="list the model catalog and what is downloaded").set_defaults(run=catalog.run_models)
     download = sub.add_parser("download", help="fetch a catalog model (backbone and heads)")
     download.add_argument("id", help="catalog id (see `medusa-chat models`) or hub repo id")
@@ -76,20 +80,30 @@ def with_command(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(with_command(sys.argv[1:] if argv is None else argv))
+    argv = with_command(sys.argv[1:] if argv is None else argv)
+    args = parser(argv[0] if argv[0] in COMMANDS else None).parse_args(argv)
     _setup_logging()
     try:
+        if getattr(args, "check", None):  # what a command can refuse before anything heavy is imported
+            args.check(args)
+        _quiet_transformers()
         return args.run(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (Exception, KeyboardInterrupt) as e:
+        return report(e)
+
+
+def report(error: BaseException) -> int:
+    """Say on stderr how a command failed, in one sentence, and return its exit status: 2 for a
+    mistake of the user's, 130 for Ctrl-C, 1 for anything else (its traceback goes to the log)."""
+    if isinstance(error, UserError):
+        print(f"error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    if isinstance(error, KeyboardInterrupt):
         print("\ninterrupted", file=sys.stderr)
         return 130
-    except Exception as e:
-        log.error("unexpected failure\n%s", traceback.format_exc())
-        print(f"error: unexpected {type(e).__name__}: {e} (details in {_log_file()})", file=sys.stderr)
-        return 1
+    log.error("unexpected failure\n%s", "".join(traceback.format_exception(error)))
+    print(f"error: unexpected {type(error).__name__}: {error} (details in {_log_file()})", file=sys.stderr)
+    return 1
 
 
 def _log_file() -> Path:
@@ -97,13 +111,16 @@ def _log_file() -> Path:
 
 
 def _setup_logging() -> None:
+    file = _log_file()
+    file.parent.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(filename=file, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+
+
+def _quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own messages say what is loading
     hf_logging.set_verbosity_error()
-    file = _log_file()
-    file.parent.mkdir(parents=True, exist_ok=True)
-    logging.basicConfig(filename=file, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ from fastapi import FastAPI
 
 from app import api
 from app.engine import Engine
+from app.guard import Guard, policy
+from app.listen import why_not
 from app.ui import build, css
 from core.errors import UserError
 
@@ -60,20 +62,26 @@ def _finish_handlers(demo: gr.Blocks, timeout: float = 5.0) -> None:
         time.sleep(0.05)
 
 
-def start(engine: Engine, host: str = "127.0.0.1", port: int = 7860) -> Server:
-    """Serve the chat and the API for `engine` on host:port, returning once it accepts connections."""
+def start(engine: Engine, host: str = "127.0.0.1", port: int = 7860, api_key: str | None = None) -> Server:
+    """Serve the chat and the API for `engine` on host:port, returning once it accepts connections.
+    Every route is behind `app.guard`: this server's own host names and page only, and `api_key`
+    (None: none) for /v1."""
     demo = build(engine)
     demo.queue(default_concurrency_limit=1)
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)  # the API follows OpenAI's schema, no own docs
     app.include_router(api.router(engine))
     gr.mount_gradio_app(app, demo, path="/", server_name=host, server_port=port, css=css(), show_error=False)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=SHUTDOWN_SECONDS)
+    guarded = Guard(app, policy(host, port, api_key))  # outermost: refused before Gradio's own CORS answers
+    config = uvicorn.Config(
+        guarded, host=host, port=port, log_level="warning", timeout_graceful_shutdown=SHUTDOWN_SECONDS
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="medusa-chat-server", daemon=True)
     thread.start()
     while not server.started:  # uvicorn logs why it could not start and ends its thread
         if not thread.is_alive():
-            raise UserError(f"Could not listen on {host}:{port} (the port may be taken); pass another --port.")
+            # the port was free when `app.listen` checked it before the model loaded: ask again why
+            raise UserError(why_not(host, port) or f"The server could not start on {host}:{port}; pass another --port.")
         time.sleep(0.02)
     return Server(_local_url(host, port), server, thread, engine, demo)
 

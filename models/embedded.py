@@ -16,8 +16,6 @@ import tempfile
 from pathlib import Path
 
 import platformdirs
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from core.errors import UserError
 
@@ -45,6 +43,9 @@ def embedded_dir() -> Path:
     target = cache_dir() / "models" / EMBEDDED_ID
     if (target / "model.safetensors").is_file():
         return target
+    import torch  # here, not above: the command line reads EMBEDDED_ID before anything heavy loads
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     gguf = embedded_gguf()
     print(f"Converting the embedded model to {target} (once, about 20 s)…", file=sys.stderr, flush=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

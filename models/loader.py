@@ -245,7 +245,8 @@ def load_backbone(
         raise UserError(f"Could not load the model in {spec.folder} ({e}).") from e
     _check_attention(model)
     if choice is not None:  # the lean forward with the kernels measured on this machine
-        fast.accelerate(model, choice.kernel, choice.head_kernel)
+        record = cache_dir() / "cpu-kernels.json"  # the lm_head's by-node choice is remembered with the kernels'
+        fast.accelerate(model, choice.kernel, choice.head_kernel, lambda head: kernels.head_by_row(head, record))
     elif model.device.type == "cpu" and model.dtype == torch.float32 and quant == "none":
         transpose_linears(model)  # bf16 is the other way round: transposed weights are far slower
     return Backbone(spec.name, model, tokenizer, _eos_ids(model, tokenizer), spec.chat_template, spec.folder)

@@ -166,6 +166,8 @@ def test_bad_input_gives_one_sentence_and_a_nonzero_exit(tmp_path, random_heads_
         "empty tree": (["generate", "--prompt", "hi", "--tree", str(empty_tree)], "has no paths"),
         "unknown device": (["generate", "--prompt", "hi", "--device", "bogus"], "unknown device 'bogus'"),
         "unknown ui option": (["--port", "80", "--colour"], "unrecognized arguments: --colour"),
+        "seed beyond torch's": (["generate", "--prompt", "hi", "--seed", str(10**30)], "expected a seed"),
+        "port out of range": (["--port", "99999"], "expected a port from 1 to 65535"),
     }
     for name, (args, expected) in cases.items():
         result = cli(*args)

@@ -154,6 +154,7 @@ def test_a_killed_app_loses_no_finished_turn(tmp_path):
     chat = json.loads(files[0].read_text())
     assert chat["turns"][0]["user"] == "Name a color." and chat["turns"][0]["finished"]
     assert chat["turns"][0]["assistant"].strip()
+    assert chat["turns"][1]["user"] == "Write a very long poem about rivers."  # saved before its reply started
 
     second = App(tmp_path)
     try:

@@ -61,17 +61,38 @@ def test_window_problem_without_a_display(monkeypatch):
 
 def test_present_falls_back_to_the_browser_with_one_sentence(monkeypatch, capsys):
     opened, waited = [], []
-    monkeypatch.setattr(ui_cli.webbrowser, "open", opened.append)
+    monkeypatch.setenv("DISPLAY", ":0")  # a browser can open
+    monkeypatch.setattr(ui_cli.webbrowser, "open", lambda url: opened.append(url) or True)
     monkeypatch.setattr(ui_cli, "_wait_for_interrupt", lambda: waited.append(True))
     monkeypatch.setattr(window, "run_window", lambda *a: pytest.fail("no window was wanted"))
     ui_cli._present("http://127.0.0.1:1234", Namespace(no_window=True, no_browser=False))
     err = capsys.readouterr().err
     assert opened == ["http://127.0.0.1:1234"] and waited == [True]
-    assert err.count("\n") == 1 and "--no-window was given" in err
+    assert err.count("\n") == 1 and "--no-window was given" in err and "opened in the browser" in err
 
     opened.clear()
     ui_cli._present("http://127.0.0.1:1234", Namespace(no_window=False, no_browser=True))
-    assert opened == [] and capsys.readouterr().err == ""  # headless: nothing shown, nothing said
+    err = capsys.readouterr().err  # headless: nothing shown, and one sentence says so
+    assert opened == [] and err.count("\n") == 1 and "No window or browser tab opens" in err
+    assert "http://127.0.0.1:1234" in err
+
+
+def test_present_says_where_the_chat_is_when_no_browser_can_open(monkeypatch, capsys):
+    opened = []
+    monkeypatch.setattr(ui_cli.webbrowser, "open", lambda url: opened.append(url) or False)
+    monkeypatch.setattr(ui_cli, "_wait_for_interrupt", lambda: None)
+    monkeypatch.setattr(window, "run_window", lambda *a: pytest.fail("no window was wanted"))
+    monkeypatch.setenv("DISPLAY", ":0")  # a display, but no browser that opens
+    ui_cli._present("http://127.0.0.1:1234", Namespace(no_window=True, no_browser=False))
+    err = capsys.readouterr().err
+    assert opened and err.count("\n") == 1 and "no browser tab opens; the chat is at http://127.0.0.1:1234" in err
+    opened.clear()
+    monkeypatch.delenv("DISPLAY")
+    monkeypatch.delenv("WAYLAND_DISPLAY", raising=False)
+    monkeypatch.delenv("BROWSER", raising=False)
+    ui_cli._present("http://127.0.0.1:1234", Namespace(no_window=False, no_browser=False))
+    err = capsys.readouterr().err  # no display: no browser is tried (a text one would take the terminal)
+    assert opened == [] and err.count("\n") == 1 and "no display" in err and "the chat is at" in err
 
 
 def test_a_window_that_fails_to_open_falls_back_to_the_browser(monkeypatch, capsys):
@@ -79,9 +100,10 @@ def test_a_window_that_fails_to_open_falls_back_to_the_browser(monkeypatch, caps
         raise RuntimeError("Qt is broken")
 
     opened = []
+    monkeypatch.setenv("DISPLAY", ":0")
     monkeypatch.setattr(window, "window_problem", lambda no_window: None)
     monkeypatch.setattr(window, "run_window", broken)
-    monkeypatch.setattr(ui_cli.webbrowser, "open", opened.append)
+    monkeypatch.setattr(ui_cli.webbrowser, "open", lambda url: opened.append(url) or True)
     monkeypatch.setattr(ui_cli, "_wait_for_interrupt", lambda: None)
     ui_cli._present("http://127.0.0.1:1234", Namespace(no_window=False, no_browser=False))
     assert opened == ["http://127.0.0.1:1234"] and "Qt is broken" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from app.cli.options import model_options, read_prompts
+from app.cli.options import model_options, read_prompts, writable
 from core.errors import UserError
 
 HELP = "measure the heads and this machine; write the tree preset that decodes fastest"
@@ -44,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
     heads_dir = resolve_heads(args.heads) if args.heads else spec.heads_folder
     if not heads_dir:
         raise UserError(f"{args.model} has no Medusa heads to calibrate; pass --heads FOLDER or train some first.")
+    out = Path(args.out).expanduser() if args.out else Path(f"{spec.name.replace('/', '--')}-calibrated.json")
+    writable(out, "--out")  # before the measuring starts
     backbone = load_backbone(args.model, args.dtype, args.device, args.quantization, spec=spec)
     model = backbone.model
     heads, _ = heads_for(backbone, heads_dir)
@@ -68,7 +70,6 @@ def run(args: argparse.Namespace) -> int:
             f"{c.drafter:<8}{len(c.paths):>6}{look:>8}{c.tokens_per_step:>10.2f}{c.mean_nodes:>7.1f}"
             f"{c.step_ms:>9.1f}{c.tokens_per_second:>8.1f}"
         )
-    out = Path(args.out).expanduser() if args.out else Path(f"{spec.name.replace('/', '--')}-calibrated.json")
     preset = {
         "paths": best.paths,
         "drafter": best.drafter,

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from app.cli.options import decoding_options, setup
+from app.cli.options import check_seeds, decoding_options, setup
 from core.errors import UserError
 from core.settings import MODES
 from core.tree import AUTO
@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("The prompt is empty; pass --prompt with some text.")
     if args.num_samples < 1:
         raise UserError(f"--num-samples must be at least 1, got {args.num_samples}.")
+    check_seeds(args.seed, args.num_samples, "samples")  # sample i is seeded with --seed + i
     settings, backbone, drafters, preset, costs = setup(args, None if args.mode == "medusa" else ())
     drafter = next(iter(drafters.values()), None)
     prompt_ids = backbone.encode_chat(args.prompt, args.system)
@@ -85,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
             "drafter": next(iter(drafters), None),
             "tree": args.tree if args.tree == AUTO else preset.name,
             "acceptance": args.acceptance,
+            "exactness": done.exactness,  # against plain decoding (core.precision)
             "samples": samples,
         }
         print(json.dumps(result, ensure_ascii=False))

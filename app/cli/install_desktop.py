@@ -16,6 +16,7 @@ from pathlib import Path
 
 import platformdirs
 
+from app.cli.options import writable
 from app.window import APP_ID, icon
 from core.errors import UserError
 
@@ -88,8 +89,16 @@ def _install() -> int:
 
     wanted = files(this_command())
     changed = [path for path, content in wanted.items() if not path.is_file() or path.read_bytes() != content]
+    for folder in dict.fromkeys(path.parent for path in changed):  # all refused before any file is written
+        writable(folder, "XDG_DATA_HOME", folder=True)
     for path in changed:
-        write_atomic(path, wanted[path])
+        try:
+            write_atomic(path, wanted[path])
+        except OSError as e:
+            reason = e.strerror or str(e)
+            raise UserError(
+                f"Cannot write {path} ({reason}); set XDG_DATA_HOME to a folder you can write to."
+            ) from None
     print("\n".join(str(p) for p in wanted))
     if changed:
         _refresh_menu()

@@ -1,4 +1,8 @@
-"""Options shared by several commands, and the loading they lead to (model, heads, drafters)."""
+"""Options shared by several commands, and the loading they lead to (model, heads, drafters).
+
+Defining the options imports nothing heavy (torch, transformers): a command's mistakes are
+refused before those load.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +10,22 @@ import argparse
 import json
 import math
 import sys
+import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from core.errors import UserError
-from core.settings import ACCEPTANCE_RULES, DecodeSettings
-from core.tree import AUTO, DRAFTERS, EAGLE_DRAFTERS, EAGLE_OPTIONAL, HEAD_DRAFTERS, RETRIEVAL_DRAFTERS
+
+if TYPE_CHECKING:
+    from core.settings import DecodeSettings
+
+SEEDS = 2**64  # torch's generators take seeds from 0 to 2**64 - 1
 
 
 def model_options(p: argparse.ArgumentParser, heads: bool = True) -> None:
     """Which model (and heads) to load, and how: shared by every command that loads one."""
+    from models.choices import DTYPE_NAMES, QUANTIZATIONS
     from models.embedded import EMBEDDED_ID
-    from models.loader import DTYPES, QUANTIZATIONS
 
     p.add_argument("--model", default=EMBEDDED_ID, help="catalog id, hub repo id or model folder")
     if heads:
@@ -26,7 +35,7 @@ def model_options(p: argparse.ArgumentParser, heads: bool = True) -> None:
             help="EAGLE drafter: a file from train-drafter, or an EAGLE-1/2 checkpoint's folder or hub repo id "
             "(default: the model's own)",
         )
-    p.add_argument("--dtype", default="auto", choices=("auto", *DTYPES), help="auto: measured on this machine")
+    p.add_argument("--dtype", default="auto", choices=("auto", *DTYPE_NAMES), help="auto: measured on this machine")
     p.add_argument("--device", default="auto", type=device_name, help="auto, cpu, cuda or cuda:N")
     p.add_argument(
         "--quantization", default="auto", choices=QUANTIZATIONS, help="auto: 4-bit nf4 on a GPU, none on a CPU"
@@ -34,6 +43,9 @@ def model_options(p: argparse.ArgumentParser, heads: bool = True) -> None:
 
 
 def decoding_options(p: argparse.ArgumentParser) -> None:
+    from core.settings import ACCEPTANCE_RULES
+    from core.tree import AUTO, DRAFTERS
+
     model_options(p)
     p.add_argument("--acceptance", default="lossless", choices=ACCEPTANCE_RULES)
     p.add_argument("--temperature", type=finite, default=0.0, help="0 = greedy")
@@ -52,7 +64,45 @@ def decoding_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--stop", action="append", default=[], type=stop_string, help="stop string (repeatable)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
+
+
+def seed(text: str) -> int:
+    """A seed torch's generators take (a whole number from 0 to 2**64 - 1)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < SEEDS:
+        raise argparse.ArgumentTypeError(f"expected a seed from 0 to 2**64 - 1, got {text!r}")
+    return value
+
+
+def check_seeds(first: int, count: int, what: str) -> None:
+    """Refuse a --seed whose `count` consecutive seeds (one per sample or prompt) run past torch's last seed."""
+    if first + count > SEEDS:
+        raise UserError(
+            f"--seed {first} leaves too few seeds for {count} {what} (the last is 2**64 - 1); pass a smaller --seed."
+        )
+
+
+def writable(path: Path, option: str, folder: bool = False) -> Path:
+    """`path`, once a file can be written there (with `folder`: in it, creating it), tried now
+    so that a command refuses an output it could not write before its work starts, not after.
+    `option` names what set the path: an option (--out) or an environment variable."""
+    try:
+        if path.is_dir() != folder and path.exists():
+            raise OSError(f"it is {'not ' if folder else ''}a folder")
+        where = path if folder else path.parent
+        where.mkdir(parents=True, exist_ok=True)
+        if not folder and path.exists():
+            path.open("ab").close()  # appends nothing: the file is left as it is
+        else:
+            tempfile.TemporaryFile(dir=where).close()
+    except OSError as e:
+        fix = f"pass {option} a path" if option.startswith("-") else f"set {option} to a folder"
+        raise UserError(f"Cannot write {path} ({e.strerror or e}); {fix} you can write to.") from None
+    return path
 
 
 def finite(text: str) -> float:
@@ -81,6 +131,8 @@ def device_name(text: str) -> str:
 
 
 def settings(args: argparse.Namespace) -> DecodeSettings:
+    from core.settings import DecodeSettings
+
     return DecodeSettings(
         acceptance=args.acceptance,
         temperature=args.temperature,
@@ -100,7 +152,15 @@ def setup(args: argparse.Namespace, kinds: tuple[str, ...] | None, fixed: tuple[
     With --tree auto each kind gets the speculation policy; `fixed` adds "KIND@PRESET" drafters
     on a fixed tree (bench compares them)."""
     from core.drafters import make_drafter
-    from core.tree import load_preset, preset_names
+    from core.tree import (
+        AUTO,
+        EAGLE_DRAFTERS,
+        EAGLE_OPTIONAL,
+        HEAD_DRAFTERS,
+        RETRIEVAL_DRAFTERS,
+        load_preset,
+        preset_names,
+    )
     from core.tune.auto import auto_drafter
     from models.loader import (
         corpus_for,

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from app.cli.options import answer_prompts, model_options, read_prompts
+from app.cli.options import answer_prompts, model_options, read_prompts, seed, writable
 from core.errors import UserError
 
 HELP = (
@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--held-out", type=float, default=0.1, help="share of replies kept out to measure the drafter")
     p.add_argument("--batch-size", type=int, default=32, help="prompts per generation batch")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     eagle = p.add_argument_group("eagle")
     eagle.add_argument("--epochs", type=int, default=4)
     eagle.add_argument("--lr", type=float, default=1e-3)
@@ -70,7 +70,9 @@ def run(args: argparse.Namespace) -> int:
     if out.suffix != ".safetensors":
         raise UserError(f"--out must name a .safetensors file, not {out}.")
     prompts = read_prompts(args.prompts)
+    writable(out, "--out")  # before the model loads and training starts
     work = Path(args.work_dir).expanduser() if args.work_dir else out.with_suffix("")
+    writable(work, "--work-dir", folder=True)
     backbone = load_backbone(args.model, args.dtype, args.device, args.quantization)
 
     transcripts = work / "transcripts.jsonl"  # the same self-distillation as train-heads, resumable

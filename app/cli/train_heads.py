@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from app.cli.options import answer_prompts, model_options, read_prompts
+from app.cli.options import answer_prompts, model_options, read_prompts, seed, writable
 from core.errors import UserError
 
 HELP = "train Medusa heads for a model by self-distillation"
@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decay", type=float, default=0.8, help="loss weight λ^k of head k")
     p.add_argument("--batch-size", type=int, default=32, help="prompts per generation batch")
     p.add_argument("--max-new-tokens", type=int, default=160)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,8 +47,8 @@ def run(args: argparse.Namespace) -> int:
     if args.epochs < 1 or not 0 < args.decay <= 1 or args.lr <= 0:
         raise UserError("--epochs must be ≥ 1, --decay in (0, 1] and --lr > 0.")
     prompts = read_prompts(args.prompts)
-    out = Path(args.out).expanduser()
-    work = Path(args.work_dir).expanduser() if args.work_dir else out / "data"
+    out = writable(Path(args.out).expanduser(), "--out", folder=True)  # before the model loads and training starts
+    work = writable(Path(args.work_dir).expanduser(), "--work-dir", folder=True) if args.work_dir else out / "data"
     backbone = load_backbone(args.model, args.dtype, args.device, args.quantization)
     model = backbone.model
 
