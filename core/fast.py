@@ -19,6 +19,7 @@ SwiGLU MLP are served (`SUPPORTED`); everything else keeps the transformers forw
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -180,12 +181,16 @@ def pack_layer(layer: nn.Module, kernel: str) -> None:
     mlp.down_proj = PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, kernel)
 
 
-def accelerate(model: nn.Module, kernel: str, head_kernel: str) -> FastForward:
+def accelerate(
+    model: nn.Module, kernel: str, head_kernel: str, by_row: Callable[[PackedLinear], bool] | None = None
+) -> FastForward:
     """Pack the model's linear layers (in place) and give it a FastForward, which every
     consumer of the model (`core.cache.new_cache`, `core.step`) then uses.
 
     Decoder layers get `kernel` with q/k/v and gate/up fused into one matmul each; the lm_head
-    gets `head_kernel` and keeps its `weight` (tied to the embedding), which Medusa heads read."""
+    gets `head_kernel` and keeps its `weight` (tied to the embedding), which Medusa heads read.
+    `by_row(head)`: whether a tree's logits go a node at a time (default: timed here, now; the
+    loader passes `core.tune.kernels.head_by_row`, which remembers it)."""
     for layer in model.base_model.layers:
         pack_layer(layer, kernel)
     head = model.get_output_embeddings()
@@ -193,7 +198,7 @@ def accelerate(model: nn.Module, kernel: str, head_kernel: str) -> FastForward:
     packed.weight = head.weight
     model.set_output_embeddings(packed)
     forward = FastForward(model)
-    forward.row_head = _cost_grows_by_row(packed)
+    forward.row_head = (by_row or _cost_grows_by_row)(packed)
     setattr(model, _ATTR, forward)
     return forward
 

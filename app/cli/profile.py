@@ -55,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         args.repeats,
         lambda n: print(f"  {n} nodes…", file=sys.stderr, flush=True),
     )
+    floor = profile.row_floor(model, costs)
     if args.json:
         report = {
             "model": args.model,
@@ -65,8 +66,10 @@ def run(args: argparse.Namespace) -> int:
             "context": len(context),
             "steps": [asdict(c) for c in costs],
             "relative": {c.nodes: round(c.total_ms / costs[0].total_ms, 3) for c in costs},
+            "row_floor": asdict(floor),
         }
         print(json.dumps(report, indent=1))
     else:
         print(profile.table(costs))
+        print(profile.floor_line(floor))
     return 0

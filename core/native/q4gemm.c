@@ -19,6 +19,10 @@
  * output, as float16: d[(t·G + g)·16 + j].
  */
 #include "common.h"
+/* Groups ahead whose weights a many-row pass prefetches: its arithmetic per group is long enough
+ * that the hardware prefetcher alone leaves the next weights' memory latency exposed (measured
+ * at 1–8B shapes: 4–8 rows 10–25 % faster; one row streams at memory speed without it). */
+#define PF 4
 
 int q4_version(void) { return 4; }
 
@@ -122,6 +126,13 @@ T512 static void store_rows512(int tiles, int64_t rows, const float *acc, const 
       __m512 dg[TILES], mg[TILES];                                                                                   \
       for (int t = 0; t < TILES; t++) {                                                                              \
         const uint8_t *wg = w + t * stride + g * TILE_BYTES;                                                        \
+        if (g + PF < groups) {                                                                                       \
+          for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(wg + PF * TILE_BYTES + 64 * l), _MM_HINT_T0);      \
+          if ((g + PF) % 2 == 0) {                                                                                   \
+            _mm_prefetch((const char *)(d + t * groups * TILE + (g + PF) * TILE), _MM_HINT_T0);                      \
+            _mm_prefetch((const char *)(m + t * groups * TILE + (g + PF) * TILE), _MM_HINT_T0);                      \
+          }                                                                                                          \
+        }                                                                                                            \
         for (int h = 0; h < 4; h++) {                                                                                \
           __m512i v = _mm512_loadu_si512((const void *)(wg + 64 * h));                                               \
           b[t][2 * h] = _mm512_and_si512(v, low);                                                                    \
@@ -170,6 +181,17 @@ PAIR512(2)
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();                                       \
     for (int64_t g = 0; g < groups; g++) {                                                                           \
       __m512i dot[R][2];                                                                                             \
+      if (R > 1 && g + PF < groups) { /* one row streams at memory speed without it */                              \
+        for (int l = 0; l < 4; l++) {                                                                                \
+          _mm_prefetch((const char *)(w + (g + PF) * TILE_BYTES + 64 * l), _MM_HINT_T0);                             \
+          _mm_prefetch((const char *)(w + stride + (g + PF) * TILE_BYTES + 64 * l), _MM_HINT_T0);                    \
+        }                                                                                                            \
+        if ((g + PF) % 2 == 0)                                                                                       \
+          for (int t = 0; t < 2; t++) {                                                                              \
+            _mm_prefetch((const char *)(d + t * groups * TILE + (g + PF) * TILE), _MM_HINT_T0);                      \
+            _mm_prefetch((const char *)(m + t * groups * TILE + (g + PF) * TILE), _MM_HINT_T0);                      \
+          }                                                                                                          \
+      }                                                                                                              \
       for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();                                  \
       _Pragma("GCC unroll 4") for (int h = 0; h < 4; h++) {                                                         \
         __m512i v0 = _mm512_loadu_si512((const void *)(w + g * TILE_BYTES + 64 * h));                                \

@@ -5,13 +5,16 @@ has native bf16 arithmetic). Each is timed on the model's own MLP shapes at one 
 step) and eight rows (a tree step), over enough distinct weights that they do not sit in the
 CPU cache, as in a real forward. A kernel that fails here (oneDNN's bf16 needs AVX-512 or
 AVX-NE-CONVERT; an ISA limit can withhold them) is skipped. The result is stored per machine
-key (CPU, kernel ISA, threads, torch), shape and request, so a second launch measures nothing.
+key (CPU, kernel ISA, threads, torch), shape and request, so a second launch measures nothing;
+a launch that cannot have the kernel library a remembered choice needs (no C compiler now)
+measures again among the kernels that run, and remembers that fallback apart from the choice.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,6 +27,10 @@ from core.tune.profile import cpu_flags, machine, time_ms
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ROWS = (1, 8)  # a plain step and a typical tree step
 WORKING_SET = 48 * 2**20  # bytes of weights cycled through while timing (beyond the CPU cache)
+CLEAR_WIN = 1.1  # a remeasured kernel choice replaces the one measured before only when it is this much faster
+HEAD_REPEATS = 9  # interleaved timings of one and eight rows through the lm_head (their medians compared)
+WITHOUT_LIBRARY = "without the kernel library"  # the key suffix of a choice measured while the library was unavailable
+_LIBRARY_ID = re.compile(r"\|kernels [0-9a-f]+")  # the kernel library's build in a record's key (see `_key`)
 
 
 @dataclass(frozen=True)
@@ -57,19 +64,80 @@ def _key(*what: str) -> str:
 
 
 def choose(hidden: int, inner: int, dtype: str | None, int4: bool, record: Path) -> Choice:
-    """The fastest working candidate; measured once per machine, shape and request."""
+    """The fastest working candidate; measured once per machine, shape and request. Where the
+    kernel library that some candidates need cannot be had now (no compiler, say), the choice
+    among the others is measured and remembered apart: the library's return restores the first."""
     key = _key(f"{hidden}x{inner}", dtype or "auto", "int4" if int4 else "full")
+    if any(_unavailable(c.kernel, c.head_kernel) for c in candidates(dtype, int4)):
+        key = f"{key}|{WITHOUT_LIBRARY}"
     known = _read(record)
     with contextlib.suppress(TypeError, KeyError):
         choice = Choice(**known[key])
-        if choice in candidates(dtype, int4):
+        if choice in candidates(dtype, int4) and not _unavailable(choice.kernel, choice.head_kernel):
             return choice
     timed = {c: _seconds(c, hidden, inner) for c in candidates(dtype, int4)}
     working = {c: s for c, s in timed.items() if s is not None}
     best = min(working, key=working.get) if working else Choice(dtype or "float32", "dense", "dense")
+    earlier = _earlier(known, key)  # the choice measured for a former kernel library
+    with contextlib.suppress(TypeError, KeyError):
+        kept = Choice(**earlier)
+        if kept in working and working[best] > working[kept] / CLEAR_WIN:
+            best = kept
     known[key] = asdict(best)
     _write(record, known)
     return best
+
+
+def _earlier(known: dict, key: str) -> object:
+    """The record of `key` as measured with another build of the kernel library (the same machine,
+    shape and request), or None: a new measurement replaces its choice only when it wins clearly."""
+    stem = _LIBRARY_ID.sub("", key)
+    return next((value for other, value in known.items() if other != key and _LIBRARY_ID.sub("", other) == stem), None)
+
+
+def head_by_row(head: fast.PackedLinear, record: Path) -> bool:
+    """Whether a tree's logits are computed a node at a time (`core.fast.row_head`): whether 8
+    rows through this lm_head cost more than twice one row. Measured once per machine, shape and
+    kernel (interleaved, the median of `HEAD_REPEATS`), and remembered, so every launch of a
+    model makes the same choice; a new measurement (a changed kernel library) turns an earlier
+    choice over only when the ratio is clearly on the other side of 2."""
+    key = _key(f"lm_head by row {head.out_features}x{head.in_features}", head.kernel)
+    known = _read(record)
+    if isinstance(known.get(key), bool):
+        return known[key]
+    ratio = _head_ratio(head)
+    earlier = _earlier(known, key)
+    by_row = earlier if isinstance(earlier, bool) and abs(ratio / 2 - 1) < CLEAR_WIN - 1 else ratio > 2
+    known[key] = by_row
+    _write(record, known)
+    return by_row
+
+
+def _head_ratio(head: fast.PackedLinear, rows: int = 8) -> float:
+    """The median time of `rows` rows through `head` over that of one row, the two timed by turns."""
+    x = torch.zeros(
+        rows, head.in_features, dtype=torch.bfloat16 if head.kernel in fast.QUANTIZED else head.packed.dtype
+    )
+    ones, manys = [], []
+    with torch.inference_mode():
+        for _ in range(HEAD_REPEATS):
+            ones.append(time_ms(lambda: head(x[:1]), repeats=1))
+            manys.append(time_ms(lambda: head(x), repeats=1))
+    return sorted(manys)[len(manys) // 2] / sorted(ones)[len(ones) // 2]
+
+
+def _remembered_draft(known: dict, key: str) -> tuple[str, str] | None:
+    with contextlib.suppress(TypeError, ValueError, KeyError):
+        dtype, kernel = known[key]
+        if dtype in DTYPES and kernel in fast.KERNELS:
+            return dtype, kernel
+    return None
+
+
+def _unavailable(*kernels: str) -> bool:
+    """Whether a kernel among `kernels` is the kernel library's and the library cannot be had here
+    now (`q4.library()` then says why on stderr, once)."""
+    return any(k in fast.LIBRARY for k in kernels) and q4.library() is None
 
 
 def _read(record: Path) -> dict:
@@ -90,14 +158,17 @@ def _write(record: Path, known: dict) -> None:
 def drafting(out: int, inp: int, rows: int, record: Path) -> tuple[str, str]:
     """(dtype, kernel) of the fastest (rows, inp) × (inp, out) matmul here, for drafting: any
     kernel that runs, whether or not it rounds alike at every row count (drafts are checked by
-    the verify forward). Measured once per machine and shape, remembered in `record`."""
+    the verify forward). Measured once per machine and shape, remembered in `record`; a new
+    measurement (a changed kernel library) replaces the earlier choice only when it wins clearly."""
     out = fast.padded_rows(out)  # as the heads pack it: a kernel that needs whole tiles is timed, not replaced
     key = _key(f"draft {rows}x{inp}x{out}")
     known = _read(record)
-    with contextlib.suppress(TypeError, ValueError, KeyError):
-        dtype, kernel = known[key]
-        if dtype in DTYPES and kernel in fast.KERNELS:
-            return dtype, kernel
+    remembered = _remembered_draft(known, key)
+    if remembered is not None and _unavailable(remembered[1]):  # as in `choose`
+        key = f"{key}|{WITHOUT_LIBRARY}"
+        remembered = _remembered_draft(known, key)
+    if remembered is not None and not _unavailable(remembered[1]):
+        return remembered
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(out, inp, generator=gen) * 0.05
     x = torch.randn(rows, inp, generator=gen)
@@ -108,6 +179,10 @@ def drafting(out: int, inp: int, rows: int, record: Path) -> tuple[str, str]:
                 layer, dt = fast.PackedLinear(weight.to(DTYPES[dtype]), None, kernel), DTYPES[dtype]
                 timed[dtype, kernel] = time_ms(lambda layer=layer, dt=dt: layer(x.to(dt)), repeats=5)
     best = min(timed, key=timed.get) if timed else ("float32", "dense")
+    with contextlib.suppress(TypeError, ValueError):  # as in `choose`: an earlier choice yields only to a clear win
+        kept = tuple(_earlier(known, key))
+        if kept in timed and timed[best] > timed[kept] / CLEAR_WIN:
+            best = kept
     known[key] = list(best)
     _write(record, known)
     return best

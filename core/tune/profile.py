@@ -70,6 +70,16 @@ class StepCost:
     commit_ms: float
 
 
+@dataclass(frozen=True)
+class RowFloor:
+    """What one more tree row costs against what its arithmetic needs at least."""
+
+    macs: float  # multiply-adds of one row through every linear layer (decoder layers and lm_head)
+    peak_gmacs: float  # the layers' kernel's measured peak, G multiply-adds a second (many rows, weights in cache)
+    floor_ms: float  # macs ÷ peak: one more row can cost no less on this machine
+    measured_ms: dict[int, float]  # per tree size n > 1: (step(n) − step(1)) / (n − 1)
+
+
 def machine(device: torch.device) -> Machine:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -202,6 +212,56 @@ def _parts(model, cache, past: int, draft: Draft, settings: DecodeSettings, repe
         }
         timed["commit_ms"] = max(time_ms(commit_only, repeats, sync) - timed["layers_ms"], 0.0)
     return timed
+
+
+def row_macs(model) -> int:
+    """Multiply-adds of one row through the model's linear layers (packed or not), the lm_head included."""
+    from core import fast  # core.fast builds on this package's timing
+
+    return sum(
+        m.in_features * m.out_features for m in model.modules() if isinstance(m, (torch.nn.Linear, fast.PackedLinear))
+    )
+
+
+def kernel_peak(model, rows: int = 32, outputs: int = 2048, repeats: int = 7) -> float:
+    """The decoder layers' matmul kernel's multiply-adds a second here (G), at `rows` rows on a
+    weight of the model's width that stays in the CPU cache: the most a tree's rows can get."""
+    from core import fast
+
+    hidden = model.config.get_text_config().hidden_size
+    kernel = fast.layer_kernel(model) or "dense"
+    dtype = torch.bfloat16 if kernel in fast.QUANTIZED else model.dtype
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(outputs, hidden, generator=gen) * 0.05).to(dtype)
+    layer = fast.PackedLinear(weight, None, kernel).to(model.device)
+    x = torch.randn(rows, hidden, generator=gen).to(dtype=dtype, device=model.device)
+    calls = 10
+    sync = synchronizer(model.device)
+
+    def run() -> None:
+        for _ in range(calls):
+            layer(x)
+
+    with torch.inference_mode():
+        ms = time_ms(run, repeats, sync, fastest=True)
+    return outputs * hidden * rows * calls / ms / 1e6
+
+
+def row_floor(model, costs: list[StepCost]) -> RowFloor:
+    """One more row's measured cost at each size against its arithmetic floor (`RowFloor`)."""
+    macs, peak = row_macs(model), kernel_peak(model)
+    one = costs[0]
+    measured = {c.nodes: (c.total_ms - one.total_ms) / (c.nodes - one.nodes) for c in costs if c.nodes > one.nodes}
+    return RowFloor(macs, peak, macs / peak / 1e6, measured)
+
+
+def floor_line(floor: RowFloor) -> str:
+    """The floor as one line under the table."""
+    measured = ", ".join(f"{ms:.2f} ms (to {n})" for n, ms in floor.measured_ms.items()) or "not measured"
+    return (
+        f"one more row: {measured}; floor {floor.floor_ms:.2f} ms ({floor.macs / 1e9:.2f} G multiply-adds at the "
+        f"kernel's {floor.peak_gmacs:.0f} G/s peak)"
+    )
 
 
 def table(costs: list[StepCost]) -> str:

@@ -1,0 +1,139 @@
+"""Kernel choices that hold from launch to launch, the many-row 4-bit kernel's exactness at wider
+layers, and the profile's floor for one more tree row."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from core import fast, q4
+from core.tune import kernels, profile
+from core.tune.policy import CostCurve
+from tests.helpers import library_builds, tiny_model
+from tests.tiny_folder import save_tiny_model
+
+
+def _library():
+    if q4.library() is None:
+        if library_builds():
+            pytest.fail(f"the kernel library should work here: {q4.unavailable()}")
+        pytest.skip(f"no kernel library here: {q4.unavailable()}")
+
+
+class NoisyClock:
+    """Injected timings: a row count's true cost (8 rows at twice one row: on the edge of the
+    lm_head's by-node rule) times ±25 % noise, calls taken as one row and eight rows by turns."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng, self.calls = random.Random(seed), 0
+
+    def __call__(self, fn, repeats=5, sync=None, fastest=False) -> float:
+        self.calls += 1
+        return (1.0 if self.calls % 2 else 2.0) * self.rng.uniform(0.75, 1.25)
+
+
+def test_five_launches_make_the_same_choices_and_measure_the_curve_once(tmp_path, monkeypatch):
+    _library()
+    from models import loader
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    spec = save_tiny_model(tmp_path / "model")
+    clock, rng = NoisyClock(0), random.Random(1)
+    monkeypatch.setattr(profile, "time_ms", clock)  # whatever times the lm_head reads noise
+    monkeypatch.setattr(kernels, "time_ms", clock)
+    monkeypatch.setattr(kernels, "_seconds", lambda choice, hidden, inner, repeats=3: rng.uniform(1.0, 1.3))
+    seen = []
+    for launch in range(5):
+        backbone = loader.load_backbone(str(spec.folder), quantization="int4", spec=spec)
+        model = backbone.model
+        seen.append((fast.layer_kernel(model), model.get_output_embeddings().kernel, fast.row_head(model)))
+        costs = loader.step_costs(backbone, None)
+        assert costs.needed == (launch == 0), f"launch {launch + 1} measures the step-cost curve again"
+        if launch == 0:  # as the first launch's measurement would
+            costs.store.save(costs.key, CostCurve({1: 1.0, 2: 1.2, 4: 1.5}, 0.0))
+    assert len(set(seen)) == 1, seen
+
+
+def _record(tmp_path, entries: dict) -> tuple:
+    path = tmp_path / "cpu-kernels.json"
+    path.write_text(json.dumps(entries))
+    return path
+
+
+def test_a_remeasured_choice_replaces_the_earlier_one_only_when_it_wins_clearly(tmp_path, monkeypatch):
+    _library()
+    earlier = kernels.Choice("bfloat16", "q4", "q8")
+    other = kernels.Choice("bfloat16", "q4", "onednn")
+    key = kernels._key("64x128", "auto", "int4")
+    old_key = kernels._LIBRARY_ID.sub("|kernels 000000000000", key)
+    assert old_key != key
+    for new_time, kept in ((0.95, True), (0.8, False)):  # the other candidate 5 % faster, then 20 %
+        record = _record(tmp_path, {old_key: {"dtype": "bfloat16", "kernel": "q4", "head_kernel": "q8"}})
+        times = {earlier: 1.0, other: new_time}
+        monkeypatch.setattr(kernels, "_seconds", lambda c, h, i, repeats=3, times=times: times.get(c, 5.0))
+        choice = kernels.choose(64, 128, None, True, record)
+        assert choice == (earlier if kept else other)
+        assert kernels.Choice(**json.loads(record.read_text())[key]) == choice
+
+
+def test_a_remeasured_drafting_kernel_replaces_the_earlier_one_only_when_it_wins_clearly(tmp_path, monkeypatch):
+    _library()
+    key = kernels._key(f"draft 4x64x{fast.padded_rows(96)}")
+    old_key = kernels._LIBRARY_ID.sub("|kernels 000000000000", key)
+    for new_time, want in ((0.95, ("bfloat16", "q4")), (0.8, ("bfloat16", "onednn"))):
+        record = _record(tmp_path, {old_key: ["bfloat16", "q4"]})
+        times = {("bfloat16", "q4"): 1.0, ("bfloat16", "onednn"): new_time}
+
+        def timed(fn, repeats=5, sync=None, fastest=False, times=times):
+            layer, dt = fn.__defaults__  # the candidate the timed call runs
+            return times.get((str(dt).removeprefix("torch."), layer.kernel), 5.0)
+
+        monkeypatch.setattr(kernels, "time_ms", timed)
+        assert kernels.drafting(96, 64, 4, record) == want
+        assert tuple(json.loads(record.read_text())[key]) == want
+
+
+def test_the_lm_head_by_node_choice_is_remembered_and_turns_only_on_a_clear_ratio(tmp_path, monkeypatch):
+    _library()
+    head = fast.PackedLinear(torch.randn(96, 64).to(torch.bfloat16), None, "q8")
+    key = kernels._key("lm_head by row 96x64", "q8")
+    old_key = kernels._LIBRARY_ID.sub("|kernels 000000000000", key)
+    for ratio, earlier, want in ((2.1, False, False), (1.9, True, True), (2.5, False, True), (1.5, True, False)):
+        record = _record(tmp_path, {old_key: earlier})
+        monkeypatch.setattr(kernels, "_head_ratio", lambda head, ratio=ratio: ratio)
+        assert kernels.head_by_row(head, record) is want
+        monkeypatch.setattr(kernels, "_head_ratio", lambda head: pytest.fail("measured again"))
+        assert kernels.head_by_row(head, record) is want  # remembered: nothing is timed
+
+
+@pytest.mark.parametrize("variant", ["avx512-vnni", "avx2"])
+def test_a_tree_row_equals_a_one_row_product_at_wide_layers(variant):
+    """Many groups a row (the many-row passes prefetch weights ahead): every row count gives
+    each row the bits a one-row product gives it."""
+    _library()
+    best = q4.isa()
+    if best is None or q4.ISAS[variant] > q4.ISAS[best]:
+        pytest.skip(f"this CPU does not run the {variant} variant")
+    gen = torch.Generator().manual_seed(5)
+    layer = q4.Packed(q4.library(), torch.randn(96, 1024, generator=gen) * 0.05, torch.randn(96, generator=gen))
+    layer.variant = q4.ISAS[variant]
+    x = torch.randn(17, 1024, generator=gen).to(torch.bfloat16)
+    ones = torch.cat([layer(x[r : r + 1]) for r in range(17)])
+    for rows in (2, 3, 4, 5, 8, 16, 17):
+        assert torch.equal(layer(x[:rows]), ones[:rows]), rows
+
+
+def test_the_profile_states_one_more_rows_floor():
+    model = tiny_model("llama")
+    costs = profile.step_costs(model, list(range(1, 40)), None, sizes=(1, 4, 8), repeats=1)
+    floor = profile.row_floor(model, costs)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert floor.macs == sum(m.in_features * m.out_features for m in linears) > 0
+    assert floor.peak_gmacs > 0 and floor.floor_ms == pytest.approx(floor.macs / floor.peak_gmacs / 1e6, rel=0.01)
+    assert set(floor.measured_ms) == {4, 8}
+    assert floor.measured_ms[8] == pytest.approx((costs[2].total_ms - costs[0].total_ms) / 7)
+    line = profile.floor_line(floor)
+    assert f"{floor.floor_ms:.2f} ms" in line and "(to 8)" in line
