@@ -148,7 +148,9 @@ class _Completion:
 
     def usage(self, done: Finished) -> dict:
         prompt, completion = len(self.reply.prompt_ids), len(done.token_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        cached = {"cached_tokens": done.prompt_reused}  # OpenAI's name: the prompt tokens the kept cache held
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": cached}  # fmt: skip
 
     def figures(self, steps: list[StepEvent], done: Finished) -> dict:
         """The speculation figures: tokens per step, drafted tokens accepted at each step, speed, tree, drafter."""

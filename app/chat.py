@@ -113,6 +113,8 @@ _OPTIONAL_STATS: dict[str, Callable[[object], bool]] = {  # older chats lack dra
     "drafter": _is_text_or_none,
     "sources": _is_sources,
     "exactness": _is_text_or_none,  # against plain decoding (core.precision); older chats lack it
+    "prompt_read": is_count,  # prompt tokens the reply read; older chats lack it
+    "prompt_reused": is_count,  # prompt tokens it took from the conversation's kept cache
 }
 
 

@@ -7,6 +7,10 @@ one `ComputeThread`, in order, one job at a time: a whole reply is one job, so r
 for by the chat and by the API never run at once. `Engine.reply` is the one way in for both:
 a `ReplyRequest` (a conversation and its settings) becomes a `Reply` (the fitted prompt, the
 resolved tree and drafter, and the event stream). No decoding logic here.
+
+The last reply's cache is kept (`core.cache.Kept`): the next request, whatever asks for it,
+reads only the part of its prompt that the kept conversation does not share. One conversation
+is kept at a time, for the loaded model only (loading another drops it).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from core import fast
+from core.cache import Kept
 from core.drafters import make_drafter
 from core.eagle import EagleDraft
 from core.errors import UserError
@@ -106,6 +111,7 @@ class Engine:
         self.error: str | None = None
         self._drafters: dict[tuple[str, str], tuple[Preset, Drafter]] = {}
         self._drafters_lock = threading.Lock()  # the chat and the API ask from threads of their own
+        self.kept = Kept()  # the last reply's cache (one conversation), used and replaced on the compute thread
         self.compute = ComputeThread()
 
     def start(self) -> Future[None]:
@@ -135,6 +141,7 @@ class Engine:
                 eagle_path = None
 
         def build() -> Loaded:
+            self.kept.clear()  # the old model's cache: no use to another, and its memory is wanted now
             backbone = load_backbone(model, spec=spec, **self.options)
             heads, trained = heads_for(backbone, heads_dir)
             default = spec.tree if spec.tree in preset_names() else "cpu-16"
@@ -279,7 +286,10 @@ class Engine:
             return self.compute.closing or should_stop()  # closing ends a reply at its next step
 
         def run() -> Iterator[StepEvent | Finished]:
-            for event in stream(b.model, prompt_ids, settings, drafter, b.tokenizer, b.eos_ids, generator, stopped):
+            events = stream(
+                b.model, prompt_ids, settings, drafter, b.tokenizer, b.eos_ids, generator, stopped, self.kept
+            )
+            for event in events:
                 if isinstance(event, Finished) and corpus is not None and event.finish_reason != "cancelled":
                     corpus.add([list(event.token_ids)])  # later replies may draft from this one
                 yield event
@@ -302,5 +312,5 @@ def figures(done: Finished) -> dict:
         "tokens": len(done.token_ids), "steps": done.steps, "seconds": done.seconds,
         "tokens_per_step": done.tokens_per_step, "tokens_per_second": done.tokens_per_second,
         "first_token_seconds": done.first_token_seconds, "finish_reason": done.finish_reason,
-        "exactness": done.exactness,
+        "exactness": done.exactness, "prompt_read": done.prompt_read, "prompt_reused": done.prompt_reused,
     }  # fmt: skip

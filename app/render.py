@@ -363,6 +363,8 @@ _STAT_ROWS = (  # key in the stats, its label, how a number is shown
     ("tokens_per_step", "tokens / step", "{:.2f}".format),
     ("tokens_per_second", "tokens / s", "{:.1f}".format),
     ("first_token_seconds", "first token", lambda s: f"{1000 * s:.0f} ms"),
+    ("prompt_read", "prompt tokens read", "{}".format),
+    ("prompt_reused", "prompt tokens reused", "{}".format),
     ("finish_reason", "finished by", str),
     ("drafter", "drafter", str),
 )

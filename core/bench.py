@@ -8,6 +8,10 @@ our plain loop; `hf` and `hf-bf16` are stock transformers
 is llama.cpp on the same GGUF file (through a function the caller passes in). A "step"
 is one forward of the backbone (counted with a hook for the transformers modes), the prefill
 included, so tokens per step is the paper's acceleration rate and plain decoding gives 1.0.
+
+By context length (`by_context`): the same prompts lengthened to N tokens, each mode's time to
+first token (the prompt's reading), prompt tokens read a second, and decode tokens a second after
+the first token.
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ TREE_MODES = DRAFTERS  # our tree loop, named by its drafter
 PEERS = ("llamacpp",)  # other engines, run through a function the caller supplies
 STOCK_DTYPES = {"hf": torch.float32, "hf-bf16": torch.bfloat16, "hf-pld": torch.float32}  # stock transformers modes
 MODES = (*TREE_MODES, "baseline", *STOCK_DTYPES, *PEERS)
-Peer = Callable[[list[int], DecodeSettings, tuple[int, ...]], tuple[tuple[int, ...], float]]  # → (reply, seconds)
+# → (reply, seconds) or (reply, seconds, seconds to the first token)
+Peer = Callable[
+    [list[int], DecodeSettings, tuple[int, ...]], tuple[tuple[int, ...], float] | tuple[tuple[int, ...], float, float]
+]
 PLD_TOKENS = 10  # prompt-lookup draft length, the value transformers documents
 
 
@@ -45,6 +52,8 @@ class Run:
     token_ids: tuple[int, ...] = ()  # the reply, to compare with the plain loop's
     nodes: int = 0  # verify-forward tokens over the decode steps (tree modes and baseline)
     plain_steps: int = 0  # decode steps whose tree was the root alone
+    first_token_seconds: float = 0.0  # the prefill: the prompt read, the first token chosen (0: not measured)
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,13 +99,14 @@ def run_once(
     seed: int,
     peers: dict[str, Peer] | None = None,
     stock: dict[str, PreTrainedModel] | None = None,
-) -> tuple[int, int, float, float, tuple[int, ...], int, int]:
-    """(tokens, steps, seconds, seconds spent drafting, the reply, verify nodes, plain steps) of one
-    reply in one mode (the last two 0 outside our loop).
-    `stock`: the unmodified model for each transformers mode (default: `model`)."""
+) -> tuple[int, int, float, float, tuple[int, ...], int, int, float, int]:
+    """(tokens, steps, seconds, seconds spent drafting, the reply, verify nodes, plain steps, seconds
+    to the first token, prompt tokens) of one reply in one mode (verify nodes and plain steps 0
+    outside our loop). `stock`: the unmodified model for each transformers mode (default: `model`)."""
+    n = len(prompt_ids)
     if mode in PEERS:  # one token per forward
-        reply, seconds = (peers or {})[mode](prompt_ids, settings, eos_ids)
-        return len(reply), len(reply), seconds, 0.0, reply, 0, 0
+        reply, seconds, *first = (peers or {})[mode](prompt_ids, settings, eos_ids)
+        return len(reply), len(reply), seconds, 0.0, reply, 0, 0, first[0] if first else 0.0, n
     if mode == "baseline" or mode in drafters:
         generator = torch.Generator(model.device).manual_seed(seed)
         events, done = collect(
@@ -113,9 +123,10 @@ def run_once(
         drafting = sum(e.draft_seconds for e in events)
         nodes = sum(max(e.tree_size, 1) for e in events[1:])
         plain = sum(e.tree_size <= 1 for e in events[1:])
-        return len(done.token_ids), done.steps, done.seconds, drafting, done.token_ids, nodes, plain
-    reply, steps, seconds = _run_hf(mode, (stock or {}).get(mode, model), prompt_ids, settings, eos_ids, seed)
-    return len(reply), steps, seconds, 0.0, reply, 0, 0
+        first = done.first_token_seconds
+        return len(done.token_ids), done.steps, done.seconds, drafting, done.token_ids, nodes, plain, first, n
+    reply, steps, seconds, first = _run_hf(mode, (stock or {}).get(mode, model), prompt_ids, settings, eos_ids, seed)
+    return len(reply), steps, seconds, 0.0, reply, 0, 0, first, n
 
 
 def _run_hf(
@@ -125,7 +136,8 @@ def _run_hf(
     settings: DecodeSettings,
     eos_ids: tuple[int, ...],
     seed: int,
-) -> tuple[tuple[int, ...], int, float]:
+) -> tuple[tuple[int, ...], int, float, float]:
+    """(reply, forwards, seconds, seconds to the end of the first forward: the prefill)."""
     sampling = settings.temperature > 0
     options = {
         "max_new_tokens": settings.max_new_tokens,
@@ -138,8 +150,9 @@ def _run_hf(
     }
     if mode == "hf-pld":
         options["prompt_lookup_num_tokens"] = PLD_TOKENS
-    calls = [0]
+    calls, ends = [0], []
     hook = model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    first = model.register_forward_hook(lambda *_: None if ends else ends.append(now(model.device)))
     try:
         ids = torch.tensor([prompt_ids], device=model.device)
         # generate() samples from torch's own generator: seed it inside a fork that restores it
@@ -151,7 +164,8 @@ def _run_hf(
             seconds = now(model.device) - start
     finally:
         hook.remove()
-    return tuple(out[0, len(prompt_ids) :].tolist()), calls[0], seconds
+        first.remove()
+    return tuple(out[0, len(prompt_ids) :].tolist()), calls[0], seconds, ends[0] - start if ends else 0.0
 
 
 def run_bench(
@@ -274,4 +288,49 @@ def table(summary: dict[str, Summary], prompts: int) -> str:
             f"{mode:<22}{s.tokens:>8}{s.steps:>8}{s.tokens_per_step:>10.2f}{s.mean_nodes or 0:>7.1f}{s.step_ms:>9.1f}"
             f"{100 * s.draft_share:>9.1f}{s.seconds:>9.1f}{s.tokens_per_second:>8.1f}{ratios}{exact:>9}{first:>9}"
         )
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class ContextRow:
+    mode: str
+    context: int  # the prompts' mean length in tokens
+    first_token_ms: float  # mean time to the first token (0: not measured)
+    read_per_second: float  # prompt tokens read a second in that time
+    decode_per_second: float  # tokens a second after the first
+
+
+def by_context(runs: dict[int, list[Run]]) -> list[ContextRow]:
+    """Each mode's row at each context length (`runs` by the length asked for)."""
+    return [
+        _context_row(mode, [r for r in rs if r.mode == mode])
+        for rs in runs.values()
+        for mode in dict.fromkeys(r.mode for r in rs)
+    ]
+
+
+def _context_row(mode: str, runs: list[Run]) -> ContextRow:
+    """Decode speed counts the tokens after the first and the time after it (where the first token
+    was not timed, every token over the whole time)."""
+    first = sum(r.first_token_seconds for r in runs)
+    prompt = sum(r.prompt_tokens for r in runs)
+    after = sum(r.seconds for r in runs) - first
+    decoded = sum(r.tokens - (1 if first else 0) for r in runs)
+    return ContextRow(
+        mode, round(prompt / len(runs)), 1000 * first / len(runs), prompt / first if first else 0.0,
+        decoded / after if after > 0 else 0.0,
+    )  # fmt: skip
+
+
+def context_table(rows: list[ContextRow]) -> str:
+    """One line per mode and context length; decode speed also relative to the mode's shortest context."""
+    shortest = {}
+    for r in sorted(rows, key=lambda r: r.context):
+        shortest.setdefault(r.mode, r.decode_per_second)
+    lines = [f"{'mode':<22}{'context':>9}{'1st token ms':>14}{'read tok/s':>12}{'decode tok/s':>14}{'× shortest':>12}"]
+    for r in rows:
+        first = f"{r.first_token_ms:.0f}" if r.first_token_ms else "—"
+        read = f"{r.read_per_second:.0f}" if r.read_per_second else "—"
+        ratio = r.decode_per_second / shortest[r.mode] if shortest[r.mode] else 0.0
+        lines.append(f"{r.mode:<22}{r.context:>9}{first:>14}{read:>12}{r.decode_per_second:>14.1f}{ratio:>11.2f}×")
     return "\n".join(lines)

@@ -30,7 +30,7 @@ from core.clock import now
 from core.drafters import continuations, with_branches
 from core.eagle import EagleDraft, scaled_taps
 from core.errors import UserError
-from core.lookup import NgramIndex, node_count
+from core.lookup import NgramIndex, common_prefix, node_count
 from core.retrieval import RETRIEVAL_LENGTH, Corpus
 from core.step import Draft
 from core.tree import CONTEXT, EAGLE, RETRIEVAL, ROOT, build_tree, from_parents
@@ -121,6 +121,7 @@ class EagleDrafter:
         self._pending: list[tuple[Tensor, Tensor]] = []  # fed rows not yet run through the draft
         self._pending_rows = 0
         self._last_out: Tensor | None = None  # (H,) output of the last committed entry
+        self._read: list[int | None] = [None]  # token 0, then the token each entry read (None: not known)
         self.calibration = 1.0  # realized accepted drafts ÷ the draft's own expectation (running)
         self.draft_ms = 1.0  # running drafting time of a step
         self.plain_ms: float | None = None  # running time of a plain step (prices trees until the curve is measured)
@@ -144,12 +145,34 @@ class EagleDrafter:
         then the last feature, side by side) and the token after each (the last one the next
         root). Position 0 starts a new reply."""
         if position == 0 or position != self.cache.length + self._pending_rows:
+            first = self._read[:1] if position == 0 and len(self._read) == 1 else [None]  # token 0 if `rewind` said
             self.cache.truncate(0)
-            self._pending, self._pending_rows, self._last_out = [], 0, None
+            self._pending, self._pending_rows, self._last_out, self._read = [], 0, None, first
             if position != 0:  # not where the draft left off: nothing to draft from until a new reply
                 return
         self._pending.append((features, next_ids))
         self._pending_rows += len(next_ids)
+        self._read += next_ids.tolist()
+
+    def rewind(self, prompt_ids: Sequence[int], reused: int) -> int:
+        """A new reply to `prompt_ids`, of which the backbone's cache holds the first `reused`
+        positions: keep the entries this prompt shares, up to `reused` (entry j read feature j and
+        token j + 1, so it needs the prompt's first j + 2 tokens), and say how many; the prefill
+        feeds the rest from there."""
+        keep = max(0, min(reused, len(self._read) - 1, common_prefix(self._read, prompt_ids) - 1))
+        if keep <= self.cache.length:
+            self.cache.truncate(keep)
+            self._pending, self._pending_rows = [], 0
+        else:  # part of the pending rows stays
+            room, pending = keep - self.cache.length, []
+            for features, ids in self._pending:
+                if room > 0:
+                    pending.append((features[:room], ids[:room]))
+                    room -= len(ids)
+            self._pending, self._pending_rows = pending, keep - self.cache.length
+        self._last_out = None  # the prefill's feed brings the rows it is computed from
+        self._read = list(prompt_ids[: keep + 1])
+        return keep
 
     def _flush(self) -> bool:
         """Run the pending rows into the draft's cache; False when it has nothing to draft from."""

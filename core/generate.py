@@ -56,6 +56,8 @@ class Finished:
     first_token_seconds: float  # time to first token (the prefill)
     finish_reason: str  # one of FINISH_REASONS
     exactness: str = precision.EXACT  # against plain decoding: "exact", "exact up to bfloat16 rounding"…
+    prompt_read: int = 0  # prompt tokens the prefill read
+    prompt_reused: int = 0  # prompt tokens whose keys and values came from the kept cache instead
 
     @property
     def tokens_per_second(self) -> float:
@@ -75,8 +77,11 @@ def stream(
     eos_ids: Iterable[int] = (),
     generator: torch.Generator | None = None,
     should_stop: Callable[[], bool] = lambda: False,
+    kept: kv.Kept | None = None,
 ) -> Iterator[StepEvent | Finished]:
-    """Decode a reply to `prompt_ids`, one event per step. Cancellation is checked between steps."""
+    """Decode a reply to `prompt_ids`, one event per step. Cancellation is checked between steps.
+    `kept`: the conversation's cache from the last reply, of which the prefill reuses what the
+    prompt shares with it; the reply's own cache is kept there when it ends."""
     device = model.device
     plain = NoDrafter(device)
     drafter = drafter or plain
@@ -93,7 +98,6 @@ def stream(
     detok = Detokenizer(tokenizer)
     out: list[int] = []
     start = now(device)  # every clock read waits for the device: a GPU's work is timed, not its launch
-    cache = kv.new_cache(model)
 
     def event(
         step: int,
@@ -120,17 +124,19 @@ def stream(
         )  # fmt: skip
 
     with torch.inference_mode():
-        # 1) prefill: the prompt into the cache, the backbone's first token
+        # 1) prefill: the prompt (what the kept cache lacks of it) into the cache, the backbone's first token
         taps = getattr(drafter, "taps", ())  # layers whose streams the drafter reads too (EAGLE-3)
-        fwd = prefill(model, cache, torch.tensor(prompt_ids, device=device), taps)
+        feed = getattr(drafter, "feed", None)  # drafters that read every committed feature (EAGLE)
+        cache, reused = resume(model, prompt_ids, kept, drafter)
+        fwd = prefill(model, cache, torch.tensor(prompt_ids[reused:], device=device), taps)
         root = first_token(fwd, settings, generator)
         hidden = fwd.hidden[-1]
-        feed = getattr(drafter, "feed", None)  # drafters that read every committed feature (EAGLE)
         if feed is not None:
-            feed(fwd.backbone_features(), torch.tensor([*prompt_ids[1:], int(root)], device=device), 0)
+            feed(fwd.backbone_features(), torch.tensor([*prompt_ids[reused + 1 :], int(root)], device=device), reused)
         new, reason = _trim([int(root)], out, eos, limit)
         out += new
         history = [*prompt_ids, *new]
+        cached = list(prompt_ids)  # the tokens in the cache: the prompt, then each step's root and accepted drafts
         first_token_seconds = now(device) - start
         yield (e := event(1, new, 0, torch.zeros(1, dtype=torch.long), None, start))
         reason = reason or _stopped(detok.text, e.text, settings.stop)
@@ -157,6 +163,7 @@ def stream(
             if feed is not None:
                 feed(fwd.backbone_features(result.path), emitted, prefix_len)
             tokens = emitted.tolist()
+            cached += [history[-1], *tokens[:-1]]  # the root, the accepted drafts (the new root is not in yet)
             if observe := getattr(drafter, "observe", None):  # adaptive drafters learn from each step
                 observe(draft, tokens, now(device) - t0)
             new, reason = _trim(tokens, out, eos, limit)
@@ -170,7 +177,27 @@ def stream(
     text = _cut_at_stop(detok.text, settings.stop)
     seconds = now(device) - start
     exactness = precision.exactness(model, settings, tree=not isinstance(drafter, NoDrafter))
-    yield Finished(tuple(out), text, step, seconds, first_token_seconds, reason, exactness)
+    if kept is not None:  # before the last event: a reader may stop at it
+        kept.keep(model, cache, cached)
+    read = len(prompt_ids) - reused
+    yield Finished(tuple(out), text, step, seconds, first_token_seconds, reason, exactness, read, reused)
+
+
+def resume(
+    model: PreTrainedModel, prompt_ids: list[int], kept: kv.Kept | None, drafter: Drafter
+) -> tuple[kv.Cache, int]:
+    """The cache to prefill `prompt_ids` on and how many of its tokens it holds already: the kept
+    conversation's, cut back to what the prompt shares with it and, for a drafter that reads the
+    backbone's features (EAGLE), to what its own state still holds of the prompt (one that cannot
+    say reads the whole prompt again); else a new cache."""
+    cache, reused = kept.take(model, prompt_ids) if kept is not None else (kv.new_cache(model), 0)
+    if getattr(drafter, "feed", None) is not None:
+        rewind = getattr(drafter, "rewind", None)  # → how many positions of the prompt its state keeps
+        held = rewind(prompt_ids, reused) if rewind is not None else 0
+        if held < reused:
+            kv.truncate(cache, held)
+            reused = held
+    return cache, reused
 
 
 def context_length(model: PreTrainedModel) -> int:

@@ -16,7 +16,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from core import cache as kv
-from core import fast
+from core import fast, q4
 from core.acceptance import Acceptance, accept_greedy, accept_greedy_walk, accept_sampling, accept_typical
 from core.sampling import probabilities
 from core.settings import DecodeSettings
@@ -46,7 +46,10 @@ class Drafter(Protocol):
     # and its wall time. A drafter that reads the backbone's features (EAGLE) also has
     # `feed(features, next_ids, position)`: the (n, H) hidden states of the positions committed
     # from `position` on (the prompt after the prefill, the accepted path after a step) and the
-    # token after each, the last one the next root.
+    # token after each, the last one the next root; and `rewind(prompt_ids, reused) -> int`, told
+    # before a reply's prefill that the backbone's kept cache holds the prompt's first `reused`
+    # positions: it keeps its own state for as many of them as it can and says how many (the
+    # prefill then reads and feeds the prompt from there; without `rewind`, from position 0).
 
 
 class NoDrafter:
@@ -107,9 +110,7 @@ def prefill(model: PreTrainedModel, cache: kv.Cache, ids: Tensor, taps: tuple[in
     """Run the prompt (n,) into the cache; logits and hidden state of its last position (and
     with `taps`, the streams after that many layers at every position)."""
     if isinstance(cache, fast.StaticKV):
-        past = cache.length
-        positions = torch.arange(past, past + ids.numel(), device=ids.device)
-        every, tapped = fast.forward_of(model).run(ids, positions, None, cache, taps)
+        every, tapped = _lean_prefill(fast.forward_of(model), cache, ids, taps)
     else:
         base = model.base_model
         out = base(
@@ -118,6 +119,25 @@ def prefill(model: PreTrainedModel, cache: kv.Cache, ids: Tensor, taps: tuple[in
         every, tapped = out.last_hidden_state[0], _tapped(out, taps)  # (n, H)
     hidden = every[-1:]
     return Forward(project(model, hidden), hidden, every, tapped)
+
+
+def _lean_prefill(forward: fast.FastForward, cache: fast.StaticKV, ids: Tensor, taps: tuple[int, ...]):
+    """The prompt through the lean forward. Where the library's decoder runs the steps, the prompt
+    goes through it too, in causal blocks of as many rows as it takes: a position's keys and values
+    are then the same bits whether a prefill or a step computed them, so a reply that reuses a kept
+    cache (steps' entries) reads exactly as one that reads its whole prompt."""
+    library = forward.native is not None
+    chunk = q4.Ops.MAX_ROWS if library else ids.numel()
+    every, tapped = [], []
+    for start in range(0, ids.numel(), chunk):
+        part, past = ids[start : start + chunk], cache.length
+        positions = torch.arange(past, past + part.numel(), device=ids.device)
+        # an explicit causal mask: a causal block without one is left to torch's attention
+        mask = fast.causal_mask(part.numel(), past, forward.dtype, ids.device) if library and part.numel() > 1 else None
+        hidden, streams = forward.run(part, positions, mask, cache, taps)
+        every.append(hidden)
+        tapped.append(streams)
+    return torch.cat(every), torch.cat(tapped) if taps else None
 
 
 def verify(model: PreTrainedModel, cache: kv.Cache, draft: Draft, taps: tuple[int, ...] = ()) -> Forward:

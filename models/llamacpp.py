@@ -15,12 +15,12 @@ from pathlib import Path
 
 from core.settings import DecodeSettings
 
-Runner = Callable[[list[int], DecodeSettings, tuple[int, ...]], tuple[tuple[int, ...], float]]
+Runner = Callable[[list[int], DecodeSettings, tuple[int, ...]], tuple[tuple[int, ...], float, float]]
 
 
 def load(gguf: Path, threads: int, context: int = 4096) -> Runner | None:
-    """A function that answers prompt ids with llama.cpp: (reply ids, seconds); None if the
-    package is not installed."""
+    """A function that answers prompt ids with llama.cpp: (reply ids, seconds, seconds to the first
+    token); None if the package is not installed. `context`: the longest prompt and reply it takes."""
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -32,18 +32,21 @@ def load(gguf: Path, threads: int, context: int = 4096) -> Runner | None:
         return None
     llm = Llama(model_path=str(gguf), n_ctx=context, n_threads=threads, n_batch=512, verbose=False)
 
-    def run(prompt_ids: list[int], settings: DecodeSettings, eos_ids: tuple[int, ...]) -> tuple[tuple[int, ...], float]:
+    def run(
+        prompt_ids: list[int], settings: DecodeSettings, eos_ids: tuple[int, ...]
+    ) -> tuple[tuple[int, ...], float, float]:
         stop = set(eos_ids) | {llm.token_eos()}
         out: list[int] = []
-        start = time.perf_counter()
+        start = first = time.perf_counter()
         tokens = llm.generate(
             prompt_ids, temp=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
             repeat_penalty=1.0, reset=True,
         )  # fmt: skip
         for token in tokens:
+            first = first if out else time.perf_counter()  # the prompt read, its first token chosen
             out.append(token)
             if token in stop or len(out) >= settings.max_new_tokens:
                 break
-        return tuple(out), time.perf_counter() - start
+        return tuple(out), time.perf_counter() - start, first - start
 
     return run

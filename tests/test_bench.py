@@ -51,3 +51,66 @@ def test_a_peer_engine_runs_through_the_bench_with_one_token_per_step():
     mine = [r for r in runs if r.mode == "llamacpp"]
     assert [(r.tokens, r.steps, r.seconds, r.token_ids) for r in mine] == [(3, 3, 0.25, (5, 6, 7))] * 2
     assert asked == [((1, 2, 3), 8), ((1, 2, 3), 3), ((4, 5), 3)]  # a warm-up, then each prompt
+
+
+def test_rows_by_context_length_time_the_first_token_and_the_decode_after_it():
+    from core.bench import by_context, context_table
+
+    runs = {
+        100: [Run("baseline", 0, 11, 11, 1.1, first_token_seconds=0.1, prompt_tokens=100)],
+        4000: [Run("baseline", 1, 11, 11, 3.0, first_token_seconds=1.0, prompt_tokens=4000),
+               Run("llamacpp", 1, 10, 10, 2.0, prompt_tokens=4000)],  # a peer that does not time its first token
+    }  # fmt: skip
+    short, long, peer = by_context(runs)
+    assert (short.context, short.first_token_ms, short.read_per_second, short.decode_per_second) == (100, 100, 1000, 10)
+    assert (long.context, long.read_per_second, long.decode_per_second) == (4000, 4000, 5)
+    assert (peer.first_token_ms, peer.read_per_second, peer.decode_per_second) == (0, 0, 5)
+    lines = context_table([short, long, peer]).splitlines()
+    assert lines[2].split()[-1] == "0.50×" and lines[3].split()[2:4] == ["—", "—"]
+
+
+def test_the_bench_times_each_replys_first_token_in_every_kind_of_mode():
+    from core.bench import run_bench
+    from core.settings import DecodeSettings
+    from tests.helpers import tiny_model
+
+    def peer(prompt_ids, settings, eos_ids):
+        return (5, 6, 7), 0.25, 0.05
+
+    runs = run_bench([[1, 2, 3, 4]], ("baseline", "hf", "llamacpp"), tiny_model(), DecodeSettings(max_new_tokens=3),
+                     {}, (), 0, peers={"llamacpp": peer})  # fmt: skip
+    assert all(r.prompt_tokens == 4 and 0 < r.first_token_seconds < r.seconds for r in runs)
+    assert [r.first_token_seconds for r in runs if r.mode == "llamacpp"] == [0.05]
+
+
+def test_context_lengths_are_checked_before_anything_loads():
+    import pytest
+
+    from app.cli.bench import _lengths
+    from core.errors import UserError
+
+    assert _lengths("100,1000,4000") == [100, 1000, 4000] and _lengths(None) == []
+    for wrong in ("", "100,,", "0", "1k"):
+        with pytest.raises(UserError, match="--context takes prompt lengths"):
+            _lengths(wrong)
+
+
+def test_a_prompt_is_lengthened_to_the_context_asked_for(tmp_path):
+    from tokenizers import decoders
+    from transformers import AutoTokenizer
+
+    from app.cli.bench import _lengthened, _notes
+    from models.loader import Backbone
+    from tests.tiny_folder import save_tiny_model
+
+    save_tiny_model(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    tokenizer.backend_tokenizer.decoder = decoders.Fuse()  # decoded characters joined as they are
+    backbone = Backbone("tiny", None, tokenizer, (0,))
+    prompt = backbone.encode_chat("Name three rivers.")
+    notes = _notes(backbone)
+    assert len(notes) > 10_000  # enough for the longest contexts
+    for length in (300, 2000):
+        ids = _lengthened(backbone, "Name three rivers.", length, None, notes)
+        assert abs(len(ids) - length) <= 3 and ids[-len(prompt) :] == prompt
+    assert _lengthened(backbone, "Name three rivers.", 5, None, notes) == prompt  # longer already

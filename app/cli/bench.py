@@ -5,17 +5,28 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from dataclasses import asdict
+from importlib import resources
 from pathlib import Path
 
-from app.cli.options import decoding_options, read_labelled, setup
+from app.cli.options import check_seeds, decoding_options, read_labelled, setup, writable
 from core.errors import UserError
 
 HELP = "compare decoding modes on a prompt file (the table on stdout)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompts", required=True, help='JSONL file, one {"prompt": ...} per line')
+    p.add_argument(
+        "--prompts", help='JSONL file, one {"prompt": ...} per line (with --context: default the shipped chat prompts)'
+    )
+    p.add_argument(
+        "--context",
+        metavar="N,N,…",
+        help="prompt lengths in tokens, such as 100,1000,4000: every prompt runs at each length (after earlier text "
+        "that fills it up), and a table gives each mode's time to first token, prompt tokens read a second and "
+        "decode tokens a second by length",
+    )
     p.add_argument(
         "--modes",
         help="comma-separated: medusa, lookup, retrieval, hybrid (tree decoding with that drafter), baseline (our "
@@ -32,14 +43,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from core import fast
+    from core import fast, precision
     from core.bench import (
         STOCK_DTYPES,
         TREE_MODES,
+        agreement,
         by_category,
         category_table,
         check_modes,
+        context_table,
         is_fixed,
+        precision_label,
         run_bench,
         speedups,
         summarize,
@@ -47,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from core.tree import AUTO, load_preset
     from core.tune.kernels import native_bf16
-    from models.loader import load_stock
+    from models.stock import stock_peers
 
     if args.modes:
         modes = check_modes(args.modes.split(","))
@@ -55,8 +69,14 @@ def run(args: argparse.Namespace) -> int:
         default = args.drafter or (load_preset(args.tree).drafter if args.tree != AUTO else None)
         bf16 = ("hf-bf16",) if native_bf16() or torch.cuda.is_available() else ()  # stock's fastest dtype too
         modes = (default or "default", "baseline", "hf", *bf16, "hf-pld")
-    labelled = read_labelled(args.prompts)
+    lengths = _lengths(args.context)
+    if not args.prompts and not lengths:
+        raise UserError("bench needs a prompt file: pass --prompts FILE (or --context N,… for the shipped prompts).")
+    labelled = read_labelled(args.prompts or str(resources.files("assets") / "bench" / "chat.jsonl"))
+    if args.json_out:  # refused now, not after the whole bench has run
+        writable(Path(args.json_out).expanduser(), "--json")
     prompts, categories = [p for p, _ in labelled], [c for _, c in labelled]
+    check_seeds(args.seed, len(prompts), "prompts")  # prompt i is seeded with --seed + i
     kinds = tuple(m for m in modes if m in TREE_MODES)
     fixed = tuple(m for m in modes if is_fixed(m))
     settings, backbone, drafters, preset, costs = setup(args, kinds if kinds or fixed else None, fixed)
@@ -66,15 +86,17 @@ def run(args: argparse.Namespace) -> int:
         modes = (next(iter(drafters)), *modes[1:])
     peers = {}
     if "llamacpp" in modes:
-        peers["llamacpp"] = _llamacpp(args.model)
+        peers["llamacpp"] = _llamacpp(args.model, max(lengths, default=0) + settings.max_new_tokens)
         modes = tuple(m for m in modes if m != "llamacpp" or peers["llamacpp"])
-    stock_modes = [m for m in modes if m in STOCK_DTYPES]
-    by_dtype = {d: load_stock(backbone, d) for d in {STOCK_DTYPES[m] for m in stock_modes}}  # one copy per dtype
-    stock = {m: by_dtype[STOCK_DTYPES[m]] for m in stock_modes}
+    # one copy per dtype; on a GPU in the backbone's own 4-bit setting, or skipped where memory is short
+    stock, skipped = stock_peers(backbone, {m: STOCK_DTYPES[m] for m in modes if m in STOCK_DTYPES})
+    for sentence in skipped:
+        print(sentence, file=sys.stderr)
+    modes = tuple(m for m in modes if m not in STOCK_DTYPES or m in stock)
     encoded = [backbone.encode_chat(p, args.system) for p in prompts]
     print(
         f"bench: {len(prompts)} prompts × {', '.join(modes)} on {args.model} "
-        f"({str(backbone.model.dtype).removeprefix('torch.')}, {fast.describe(backbone.model)} forward)",
+        f"({precision_label(backbone.model)}, {fast.describe(backbone.model)} forward)",
         file=sys.stderr,
     )
 
@@ -85,20 +107,36 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
 
-    runs = run_bench(
-        encoded, modes, backbone.model, settings, drafters, backbone.eos_ids, args.seed, progress, peers, stock
-    )
+    def bench(prompt_ids: list[list[int]]) -> list:
+        return run_bench(
+            prompt_ids, modes, backbone.model, settings, drafters, backbone.eos_ids, args.seed, progress, peers, stock
+        )
+
+    rows = []
+    if lengths:  # every prompt at every length, numbered on from one length to the next
+        runs, rows = _by_context(backbone, prompts, lengths, args.system, settings, bench)
+    else:
+        runs = bench(encoded)
+    replies = len(prompts) * (len(lengths) or 1)  # per mode
     summary = summarize(runs)
-    per_category = by_category(runs, categories)
-    print(table(summary, len(prompts)))
+    per_category = by_category(runs, categories) if not lengths else {}  # by length instead
+    print(table(summary, replies))
+    exactness = precision.exactness(backbone.model, settings)
+    print(f"{agreement(summary, replies, precision_label(backbone.model))} ({exactness})", file=sys.stderr)
     if per_category:
         print()
         print(category_table(per_category, modes[0]))
+    if rows:
+        print()
+        print(context_table(rows))
     if args.json_out:
         report = {
             "model": args.model,
             "dtype": str(backbone.model.dtype).removeprefix("torch."),
             "forward": fast.describe(backbone.model),
+            "precision": precision_label(backbone.model),
+            "exactness": exactness,
+            "agreement": {m: s.exact for m, s in summary.items() if s.exact is not None},
             "tree": args.tree if args.tree == AUTO else preset.name,
             "lookup": {"branches": preset.lookup_branches, "length": preset.lookup_length},
             "settings": asdict(settings),
@@ -108,13 +146,83 @@ def run(args: argparse.Namespace) -> int:
             "speedups": {m: speedups(summary, m) for m in modes if m in TREE_MODES or is_fixed(m)},
             "categories": {c: {m: asdict(s) for m, s in per.items()} for c, per in per_category.items()},
             "runs": [asdict(r) for r in runs],
+            "contexts": [asdict(r) for r in rows],
         }
-        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        _save(json.dumps(report, indent=2) + "\n", Path(args.json_out).expanduser())
     return 0
 
 
-def _llamacpp(model: str):
-    """llama.cpp on the embedded model's GGUF, on as many threads as torch uses; None if missing."""
+def _save(text: str, out: Path) -> None:
+    """Write the report to `out`; if that fails after all (the disk filled up, the folder went
+    away), to a file of its own in the temporary folder, so a long bench's results are not lost."""
+    try:
+        out.write_text(text, encoding="utf-8")
+        return
+    except OSError as e:
+        reason = e.strerror or str(e)
+    try:
+        with tempfile.NamedTemporaryFile("w", prefix="medusa-bench-", suffix=".json", delete=False) as kept:
+            kept.write(text)
+    except OSError:
+        sys.stderr.write(text)
+        raise UserError(f"Cannot write {out} ({reason}); the results are printed above instead.") from None
+    raise UserError(f"Cannot write {out} ({reason}); the results are in {kept.name} instead.")
+
+
+def _lengths(spec: str | None) -> list[int]:
+    """--context N,N,…: the prompt lengths asked for ([] without the option)."""
+    if spec is None:
+        return []
+    try:
+        lengths = [int(n) for n in spec.split(",")]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        raise UserError(f"--context takes prompt lengths in tokens such as 100,1000,4000, not '{spec}'.")
+    return lengths
+
+
+def _by_context(backbone, prompts: list[str], lengths: list[int], system: str | None, settings, bench):
+    """The runs of `bench` over `prompts` lengthened to each of `lengths` tokens (prompt i at the
+    k-th length numbered k·len(prompts) + i), and the rows of `core.bench.by_context`."""
+    from dataclasses import replace
+
+    from core.bench import by_context
+    from core.generate import context_length
+
+    room = context_length(backbone.model) - settings.max_new_tokens
+    if max(lengths) > room:
+        raise UserError(
+            f"--context {max(lengths)} leaves no room for {settings.max_new_tokens} new tokens in the model's "
+            f"{room + settings.max_new_tokens}; ask for at most {room}."
+        )
+    notes = _notes(backbone)
+    by_length = {}
+    for k, n in enumerate(lengths):
+        runs = bench([_lengthened(backbone, p, n, system, notes) for p in prompts])
+        by_length[n] = [replace(r, prompt=k * len(prompts) + r.prompt) for r in runs]
+    return [r for runs in by_length.values() for r in runs], by_context(by_length)
+
+
+def _notes(backbone) -> list[int]:
+    """Varied text to lengthen prompts with: the shipped seed prompts, one a line, as token ids."""
+    seed = Path(str(resources.files("assets") / "prompts" / "seed.jsonl"))
+    text = "\n".join(p for p, _ in read_labelled(str(seed)))
+    return backbone.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _lengthened(backbone, prompt: str, length: int, system: str | None, notes: list[int]) -> list[int]:
+    """`prompt` as a chat prompt of about `length` tokens: the notes that fill it up, then the prompt."""
+    room = length - len(backbone.encode_chat(prompt, system)) - 2  # and two for the blank line
+    if room <= 0:
+        return backbone.encode_chat(prompt, system)
+    filler = backbone.tokenizer.decode(notes[:room])
+    return backbone.encode_chat(f"{filler}\n\n{prompt}", system)
+
+
+def _llamacpp(model: str, context: int = 0):
+    """llama.cpp on the embedded model's GGUF, on as many threads as torch uses, for prompts and
+    replies up to `context` tokens (0: its default); None if missing."""
     import torch
 
     from models import llamacpp
@@ -122,4 +230,6 @@ def _llamacpp(model: str):
 
     if model != EMBEDDED_ID:
         raise UserError(f"The llamacpp mode runs the embedded model's GGUF file; use --model {EMBEDDED_ID}.")
+    if context:
+        return llamacpp.load(embedded_gguf(), torch.get_num_threads(), max(context, 4096))
     return llamacpp.load(embedded_gguf(), torch.get_num_threads())

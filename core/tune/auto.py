@@ -59,6 +59,11 @@ class AutoDrafter:
         another drafter took in between, under `switch.Fastest`, are not one)."""
         self._new_reply = position == 0 or bool(self._new_reply)
 
+    def rewind(self, prompt_ids: Sequence[int], reused: int) -> int:
+        """A new reply (its prompt read from position `reused` on): the policy's state needs none of the prompt's."""
+        self._new_reply = True
+        return reused
+
     def propose(self, hidden: Tensor, root: Tensor, history: Sequence[int] = ()) -> Draft:
         new = self._new_reply if self._new_reply is not None else len(history) != self._next_length
         if new:  # not the continuation of the last step: a new reply

@@ -138,6 +138,16 @@ class Fastest:
             if (feed := getattr(drafter, "feed", None)) is not None:
                 feed(features, next_ids, position)
 
+    def rewind(self, prompt_ids: Sequence[int], reused: int) -> int:
+        """A new reply: every contender that reads features keeps what the one keeping least keeps
+        (see `core.generate.resume`); the second pass cuts back those asked before it answered."""
+        for _ in range(2):
+            for drafter in self.drafters.values():
+                if getattr(drafter, "feed", None) is not None:
+                    rewind = getattr(drafter, "rewind", None)
+                    reused = min(reused, rewind(prompt_ids, reused) if rewind is not None else 0)
+        return reused
+
     def propose(self, hidden: Tensor, root: Tensor, history: Sequence[int] = ()) -> Draft:
         self.active = self._pick()
         return self.drafters[self.active].propose(hidden, root, history)
