@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,3 +11,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    """Empty data and config folders for the app (its chats folder made), in tmp_path."""
+    from app import store
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    store.chats_dir().mkdir(parents=True)
+    return tmp_path

@@ -22,14 +22,6 @@ SURROGATE = "\\ud800"  # as JSON spells it: valid JSON, a str that UTF-8 cannot 
 CONTROLS = tuple(DEFAULTS[name] for name in NAMES)
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch) -> Path:
-    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    store.chats_dir().mkdir(parents=True)
-    return tmp_path
-
-
 def chat_json(chat_id: str = ID, title: str = '"Greetings"', **spelled: str) -> str:
     """A chat file's text, with some values spelled as raw JSON (to plant escapes)."""
     v = {"title": title, "system": '""', "model": '"m"', "user": '"hi"', "assistant": '"hello"', "step": '"hello"',

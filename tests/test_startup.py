@@ -276,27 +276,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def terminated(args: list[str], env: dict, marker: str, timeout: float, check=lambda err: None) -> tuple[int, str]:
+    """Run the app until `marker` is on its stderr (then `check(err)`), send SIGTERM, and give it
+    `timeout` seconds to exit: its exit status and all of its stderr."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.main", *args], env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        err = Lines(proc)
+        err.wait_for(marker, proc)
+        check(err)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, err.text()
+
+
+def still_loading(err: Lines) -> None:
+    time.sleep(1)
+    assert not any("ready:" in line for line in err.lines), err.lines
+
+
 @pytest.mark.embedded
 def test_sigterm_while_the_model_loads_ends_the_app_within_two_seconds(fresh_cache, tmp_path):
     stall = tmp_path / "slow-cc"  # a compiler that answers only once its caller is gone: loading waits on it
     stall.write_text("#!/bin/sh\nwhile kill -0 $PPID 2>/dev/null; do sleep 0.1; done\nexit 1\n")
     stall.chmod(0o755)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app.main", "--no-browser", "--port", str(free_port())],
-        env={**fresh_cache, "CC": str(stall)}, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        err = Lines(proc)
-        err.wait_for("running at", proc)
-        time.sleep(1)
-        assert not any("ready:" in line for line in err.lines), err.lines  # still loading
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=2)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = err.text()
-    assert proc.returncode == 0 and text.rstrip().endswith("medusa-chat stopped."), text
+    env = {**fresh_cache, "CC": str(stall)}
+    code, text = terminated(["--no-browser", "--port", str(free_port())], env, "running at", 2, still_loading)
+    assert code == 0 and text.rstrip().endswith("medusa-chat stopped."), text
     assert "Traceback" not in text and "terminate called" not in text, text
 
 
@@ -304,20 +314,8 @@ def test_sigterm_while_the_model_loads_ends_the_app_within_two_seconds(fresh_cac
 def test_stderr_says_when_the_model_is_ready_and_that_no_browser_opens(fresh_cache):
     port = free_port()
     env = {k: v for k, v in fresh_cache.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app.main", "--no-window", "--port", str(port)],
-        env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        err = Lines(proc)
-        err.wait_for("ready:", proc)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = err.text()
+    code, text = terminated(["--no-window", "--port", str(port)], env, "ready:", 60)
     url = f"http://127.0.0.1:{port}"
     assert f"ready: model smollm2-135m-instruct on {url}\n" in text, text
     assert f"no browser tab opens; the chat is at {url}." in text and "opened in the browser" not in text, text
-    assert proc.returncode == 0 and text.rstrip().endswith("medusa-chat stopped."), text
+    assert code == 0 and text.rstrip().endswith("medusa-chat stopped."), text

@@ -35,14 +35,6 @@ def with_turn(**changes) -> dict:
     return data
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch) -> Path:
-    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    store.chats_dir().mkdir(parents=True)
-    return tmp_path
-
-
 def write(name: str, content: str | bytes | dict | None) -> Path:
     path = store.chats_dir() / name
     data = content if isinstance(content, (str, bytes)) else json.dumps(content)
