@@ -27,8 +27,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.engine import Engine, NotReady, Reply, figures
 from app.openai_request import ApiError, Call, parse
+from core.decode.generate import Finished, StepEvent, collect
 from core.errors import ContextExceeded, UserError
-from core.generate import Finished, StepEvent, collect
 
 log = logging.getLogger("medusa-chat")
 

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 
-from core.tree import DRAFT_SOURCES
+from core.decode.tree import DRAFT_SOURCES
 
 ID = re.compile(r"[0-9a-f]{12}")  # what Chat.new makes; nothing else may name a chat file
 SOURCES = (*DRAFT_SOURCES, "")  # a step's source; "" when it accepted no draft
@@ -112,7 +112,7 @@ _OPTIONAL_STATS: dict[str, Callable[[object], bool]] = {  # older chats lack dra
     "tree": _is_text_or_none,
     "drafter": _is_text_or_none,
     "sources": _is_sources,
-    "exactness": _is_text_or_none,  # against plain decoding (core.precision); older chats lack it
+    "exactness": _is_text_or_none,  # against plain decoding (core.decode.precision); older chats lack it
     "prompt_read": is_count,  # prompt tokens the reply read; older chats lack it
     "prompt_reused": is_count,  # prompt tokens it took from the conversation's kept cache
 }

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from app.engine import ReplyRequest
-from core.settings import ACCEPTANCE_RULES, MODES, DecodeSettings
+from core.decode.settings import ACCEPTANCE_RULES, MODES, DecodeSettings
 
 _DEFAULT = DecodeSettings()
 DECODING = {"Medusa": MODES[0], "Plain": MODES[1]}  # label → engine mode
@@ -28,7 +28,7 @@ class Controls:
     top_p: float = _DEFAULT.top_p
     max_new_tokens: int = _DEFAULT.max_new_tokens
     tree: str = ""  # "" (auto), MODEL_TREE or a preset name
-    drafter: str = ""  # "" (the tree's own) or one of core.tree.DRAFTERS
+    drafter: str = ""  # "" (the tree's own) or one of core.decode.tree.DRAFTERS
     colors: bool = True  # color each step's tokens in the chat
 
     @classmethod

@@ -8,7 +8,7 @@ for by the chat and by the API never run at once. `Engine.reply` is the one way 
 a `ReplyRequest` (a conversation and its settings) becomes a `Reply` (the fitted prompt, the
 resolved tree and drafter, and the event stream). No decoding logic here.
 
-The last reply's cache is kept (`core.cache.Kept`): the next request, whatever asks for it,
+The last reply's cache is kept (`core.backends.cache.Kept`): the next request, whatever asks for it,
 reads only the part of its prompt that the kept conversation does not share. One conversation
 is kept at a time, for the loaded model only (loading another drops it).
 """
@@ -25,21 +25,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core import fast
-from core.cache import Kept
-from core.drafters import make_drafter
-from core.eagle import EagleDraft
+from app.history import Fitted, fit_history
+from app.worker import ComputeThread
+from core.backends import lean as fast
+from core.backends.cache import Kept
+from core.decode.generate import Finished, StepEvent, context_length, stream
+from core.decode.precision import EXACT, compute_dtype, exactness, quantization
+from core.decode.settings import MODES, DecodeSettings
+from core.decode.step import Drafter
+from core.decode.tree import AUTO, DRAFTERS, Preset, load_preset, preset_names
+from core.drafters.auto import auto_drafter
+from core.drafters.eagle import EagleDraft
+from core.drafters.fixed import make_drafter
+from core.drafters.retrieval import Corpus
 from core.errors import UserError
-from core.generate import Finished, StepEvent, context_length, stream
-from core.history import Fitted, fit_history
-from core.precision import EXACT, compute_dtype, exactness, quantization
-from core.retrieval import Corpus
-from core.settings import MODES, DecodeSettings
-from core.step import Drafter
-from core.tree import AUTO, DRAFTERS, Preset, load_preset, preset_names
-from core.tune.auto import auto_drafter
-from core.tune.costs import StepCosts
-from core.worker import ComputeThread
+from core.measure.costs import StepCosts
 from models.loader import (
     Backbone,
     corpus_for,

@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass
 
 from app.engine import ReplyRequest
+from core.decode.settings import ACCEPTANCE_RULES, MODES, DecodeSettings
+from core.decode.tree import DRAFTERS
 from core.errors import UserError
-from core.settings import ACCEPTANCE_RULES, MODES, DecodeSettings
-from core.tree import DRAFTERS
 
 SYSTEM_ROLES = ("system", "developer")  # joined into the system prompt
 TURN_ROLES = ("user", "assistant")

@@ -21,9 +21,9 @@ from app import store
 from app.controls import ACCEPTANCE, DECODING, DEFAULTS, NAMES, Controls
 from app.engine import MODEL_TREE, Engine, figures
 from app.render import LEGEND, depth_rates, reply_html, stats_html, step_source, text_html, tree_html
+from core.decode.generate import Finished, StepEvent
+from core.decode.tree import AUTO, DRAFT_SOURCES, preset_names
 from core.errors import UserError
-from core.generate import Finished, StepEvent
-from core.tree import AUTO, DRAFT_SOURCES, preset_names
 from models import catalog
 
 log = logging.getLogger("medusa-chat")

@@ -1,5 +1,5 @@
 """Published EAGLE drafters (the SafeAILab/EAGLE project's `yuhuili/EAGLE-*` checkpoints) read
-into `core.eagle.EagleDraft`, through the same hub code as heads.
+into `core.drafters.eagle.EagleDraft`, through the same hub code as heads.
 
 EAGLE-1/2 checkpoints (`config.json` + `pytorch_model.bin` or `model.safetensors`) hold
 `fc.{weight,bias}` over [token embedding; feature] and one decoder layer `layers.0.*` without
@@ -22,7 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from core.eagle import EagleDraft, fill
+from core.drafters.eagle import EagleDraft, fill
 from core.errors import UserError
 
 EAGLE_FILES = ["config.json", "pytorch_model.bin", "model.safetensors"]

@@ -14,7 +14,7 @@ the lm_head only: 3–4× less work per proposal and per training step, and toke
 never writes are never proposed.
 
 On a CPU, `pack` lays the weights out once for the matmul kernel measured fastest for drafting
-on this machine (`core.fast.PackedLinear`; the heads' first blocks fused into one matmul). Drafts
+on this machine (`core.backends.lean.PackedLinear`; the heads' first blocks fused into one matmul). Drafts
 need not round like any other path: verification decides what is kept.
 """
 
@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from core.backends.lean import PackedLinear, padded_rows
 from core.errors import UserError
-from core.fast import PackedLinear, padded_rows
 from models.head_formats import read_head_tensors
 
 WEIGHTS = "medusa_lm_head.safetensors"
@@ -187,7 +187,7 @@ class MedusaHeads(nn.Module):
 
 @dataclass(frozen=True)
 class Packed:
-    kernel: str  # core.fast.KERNELS
+    kernel: str  # core.backends.lean.KERNELS
     dtype: torch.dtype
     fused: PackedLinear  # every head's first block in one matmul: (num_heads·H, H)
     rest: list[list[PackedLinear]]  # per head, its further blocks

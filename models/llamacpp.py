@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from core.settings import DecodeSettings
+from core.decode.settings import DecodeSettings
 
 Runner = Callable[[list[int], DecodeSettings, tuple[int, ...]], tuple[tuple[int, ...], float, float]]
 

@@ -17,11 +17,12 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from core import fast, q4
-from core.eagle import EagleDraft, load_draft
+from core.backends import lean as fast
+from core.backends import q4
+from core.drafters.eagle import EagleDraft, load_draft
+from core.drafters.retrieval import Corpus, load_corpus
 from core.errors import UserError
-from core.retrieval import Corpus, load_corpus
-from core.tune import costs, kernels
+from core.measure import costs, kernels
 from models import catalog, hub
 from models.choices import DTYPE_NAMES, QUANTIZATIONS
 from models.cpu import transpose_linears
@@ -165,7 +166,7 @@ def device_map(device: torch.device) -> dict[str, str]:
 
 def pick_dtype(name: str, device: torch.device, config: object | None = None) -> torch.dtype:
     """`auto`: the fastest dtype here. On a GPU bf16 (fp16 where bf16 is emulated); on a CPU
-    the dtype of the fastest kernel measured on this machine (`core.tune.kernels`)."""
+    the dtype of the fastest kernel measured on this machine (`core.measure.kernels`)."""
     if name != "auto":
         if name not in DTYPES:
             raise UserError(f"Unknown dtype '{name}'; choose auto, {', '.join(DTYPES)}.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, PreTrainedModel
 
-from core import precision
+from core.decode import precision
 from models.loader import Backbone, estimate_gb, load_stock
 
 

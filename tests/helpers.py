@@ -11,17 +11,18 @@ import torch
 from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from core import fast, q4
-from core.generate import collect, stream
-from core.settings import DecodeSettings
-from core.step import Draft
-from core.tree import TreeBuffers
+from core.backends import lean as fast
+from core.backends import q4
+from core.decode.generate import collect, stream
+from core.decode.settings import DecodeSettings
+from core.decode.step import Draft
+from core.decode.tree import TreeBuffers
 
 BASE_ARCHS = ("llama", "qwen2")
 
 
 def library_builds() -> bool:
-    """Whether this machine can build core.q4's library (a C compiler, AVX2). Where it can, a
+    """Whether this machine can build core.backends.q4's library (a C compiler, AVX2). Where it can, a
     kernel of the library that does not work fails tests instead of skipping them."""
     try:
         q4._compiler()
@@ -40,12 +41,12 @@ def require_kernel(kernel: str, dtype: torch.dtype) -> None:
 
 
 FAST_KERNELS = tuple(k for k in ("dense", "onednn") if fast.kernel_works(k, torch.float32))
-# "arch+kernel": the model served by core.fast's lean forward with that kernel (fp32)
+# "arch+kernel": the model served by core.backends.lean's lean forward with that kernel (fp32)
 ARCHS = (*BASE_ARCHS, *(f"{a}+{k}" for a in BASE_ARCHS for k in FAST_KERNELS))
 
 
 def tiny_model(arch: str = "llama", vocab: int = 96, seed: int = 0):
-    """A random model of `arch`; "llama+onednn" and the like: accelerated by core.fast with that
+    """A random model of `arch`; "llama+onednn" and the like: accelerated by core.backends.lean with that
     kernel ("+int4" and "+q4" run in bf16)."""
     arch, _, kernel = arch.partition("+")
     model = _tiny(arch, vocab, seed)

@@ -68,7 +68,7 @@ def history(tokens: int, count) -> list[dict]:
 def main() -> None:
     from app.engine import Engine
     from app.server import start
-    from core.settings import DecodeSettings
+    from core.decode.settings import DecodeSettings
     from tests.test_api import free_port
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from core.acceptance import (
+from core.decode.acceptance import (
     Acceptance,
     accept_greedy,
     accept_greedy_walk,
@@ -13,10 +13,10 @@ from core.acceptance import (
     accept_typical,
     check_typical,
 )
+from core.decode.sampling import apply_top_k, apply_top_p, probabilities
+from core.decode.settings import DecodeSettings
+from core.decode.tree import TreeBuffers, build_tree
 from core.errors import UserError
-from core.sampling import apply_top_k, apply_top_p, probabilities
-from core.settings import DecodeSettings
-from core.tree import TreeBuffers, build_tree
 from tests.stats import chi_square_p_value
 
 V = 8

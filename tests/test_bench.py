@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from core.bench import Run, fidelity, first_difference, summarize, table
+from app.bench import Run, fidelity, first_difference, summarize, table
 
 
 def test_first_difference():
@@ -35,8 +35,8 @@ def test_summary_compares_every_mode_with_the_plain_loop():
 
 
 def test_a_peer_engine_runs_through_the_bench_with_one_token_per_step():
-    from core.bench import run_bench
-    from core.settings import DecodeSettings
+    from app.bench import run_bench
+    from core.decode.settings import DecodeSettings
     from tests.helpers import tiny_model
 
     asked = []
@@ -54,7 +54,7 @@ def test_a_peer_engine_runs_through_the_bench_with_one_token_per_step():
 
 
 def test_rows_by_context_length_time_the_first_token_and_the_decode_after_it():
-    from core.bench import by_context, context_table
+    from app.bench import by_context, context_table
 
     runs = {
         100: [Run("baseline", 0, 11, 11, 1.1, first_token_seconds=0.1, prompt_tokens=100)],
@@ -70,8 +70,8 @@ def test_rows_by_context_length_time_the_first_token_and_the_decode_after_it():
 
 
 def test_the_bench_times_each_replys_first_token_in_every_kind_of_mode():
-    from core.bench import run_bench
-    from core.settings import DecodeSettings
+    from app.bench import run_bench
+    from core.decode.settings import DecodeSettings
     from tests.helpers import tiny_model
 
     def peer(prompt_ids, settings, eos_ids):

@@ -2,11 +2,11 @@
 
 import torch
 
-from core.drafters import LookupDrafter, MedusaDrafter
-from core.generate import collect, stream
-from core.settings import DecodeSettings
-from core.tree import build_tree, load_tree
-from core.tune import calibrate as cal
+from core.decode.generate import collect, stream
+from core.decode.settings import DecodeSettings
+from core.decode.tree import build_tree, load_tree
+from core.drafters.fixed import LookupDrafter, MedusaDrafter
+from core.train import calibrate as cal
 from tests.helpers import plain_tokens, tiny_model
 from tests.test_engine import PROMPT, random_heads
 

@@ -14,7 +14,7 @@ import pytest
 from app import store, ui
 from app.controls import DEFAULTS, NAMES
 from app.engine import Engine, Reply
-from core.generate import Finished, StepEvent
+from core.decode.generate import Finished, StepEvent
 from models import catalog
 
 ID, OTHER = "0123456789ab", "ba9876543210"

@@ -1,7 +1,7 @@
 """The GPU path on a real GPU (skipped without one): every drafter through the engine, bf16 and
 nf4 against plain decoding up to rounding, lossless sampling's distribution, and --device routing.
 
-Where a configuration is exact only up to rounding (`core.precision`), a tree reply must equal
+Where a configuration is exact only up to rounding (`core.decode.precision`), a tree reply must equal
 the plain one, or differ first where the plain model's two candidates are within rounding of
 each other: a near tie, not a wrong token.
 """
@@ -13,12 +13,13 @@ from collections import Counter
 import pytest
 import torch
 
-from core import fast, precision
-from core.bench import first_difference
-from core.eagle import EagleDraft, init_from_backbone
-from core.generate import Finished
-from core.settings import DecodeSettings
-from core.tree import AUTO, DRAFTERS
+from app.bench import first_difference
+from core.backends import lean as fast
+from core.decode import precision
+from core.decode.generate import Finished
+from core.decode.settings import DecodeSettings
+from core.decode.tree import AUTO, DRAFTERS
+from core.drafters.eagle import EagleDraft, init_from_backbone
 from models.heads import MedusaHeads
 from tests.test_devices import every_pair
 from tests.tiny_folder import save_tiny_model
@@ -133,10 +134,10 @@ def test_nf4_tree_decoding_equals_plain_up_to_rounding_on_cuda(tiny, past):
 
 def test_lossless_sampling_keeps_the_distribution_on_cuda():
     """Three-token replies sampled with each drafter against the model's exact distribution."""
-    from core.drafters import MedusaDrafter, make_drafter
-    from core.eagle_tree import eagle_drafter
-    from core.generate import collect, stream
-    from core.tree import build_tree
+    from core.decode.generate import collect, stream
+    from core.decode.tree import build_tree
+    from core.drafters.eagle_tree import eagle_drafter
+    from core.drafters.fixed import MedusaDrafter, make_drafter
     from tests.helpers import exact_three_tokens, tiny_model
     from tests.stats import chi_square_p_value
 
@@ -174,7 +175,7 @@ def test_quantized_loads_go_to_the_named_gpu(tiny):
 
 
 def test_the_clock_waits_for_the_gpu():
-    from core.clock import now
+    from core.measure.clock import now
 
     x = torch.randn(2048, 2048, device="cuda")
     start = now("cuda")

@@ -14,14 +14,14 @@ import pytest
 import torch
 from torch import Tensor
 
-from core import cache as kv
-from core.drafters import make_drafter
-from core.eagle import EagleDraft, init_from_backbone
-from core.eagle_tree import eagle_drafter
-from core.retrieval import Corpus, SuffixIndex
-from core.settings import DecodeSettings
-from core.step import Draft, NoDrafter, prefill, tree_mask, verify
-from core.tree import AUTO, DRAFTERS, load_preset
+from core.backends import cache as kv
+from core.decode.settings import DecodeSettings
+from core.decode.step import Draft, NoDrafter, prefill, tree_mask, verify
+from core.decode.tree import AUTO, DRAFTERS, load_preset
+from core.drafters.eagle import EagleDraft, init_from_backbone
+from core.drafters.eagle_tree import eagle_drafter
+from core.drafters.fixed import make_drafter
+from core.drafters.retrieval import Corpus, SuffixIndex
 from models.heads import MedusaHeads
 from tests.helpers import tiny_model
 from tests.virtual_device import GPU, DeviceMixed, VirtualCuda, VirtualGenerator, place
@@ -155,7 +155,7 @@ PROMPT = "the cat sat on the mat; the cat sat on the mat; the cat sat on the"
 @pytest.mark.parametrize("kind", [*DRAFTERS, "plain"])
 def test_whole_replies_stay_on_the_model_device_virtual_gpu(virtual_parts, monkeypatch, kind, rule, tree):
     from app.engine import ReplyRequest
-    from core.generate import Finished
+    from core.decode.generate import Finished
 
     if kind == "plain" and tree != AUTO:
         pytest.skip("plain decoding has no tree")
@@ -214,9 +214,9 @@ def test_the_virtual_gpu_refuses_what_a_gpu_refuses(monkeypatch):
 
 
 def test_the_profile_the_cost_curve_and_the_bench_run_and_time_on_a_virtual_gpu(virtual_parts, monkeypatch):
-    from core.bench import run_bench
-    from core.drafters import MedusaDrafter
-    from core.tune import costs, profile
+    from app.bench import run_bench
+    from core.drafters.fixed import MedusaDrafter
+    from core.measure import costs, profile
 
     syncs = []
     monkeypatch.setattr(torch, "Generator", VirtualGenerator)

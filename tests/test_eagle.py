@@ -11,14 +11,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from core.eagle import DrafterCard, EagleDraft, load_draft, save_draft
-from core.eagle_tree import EagleDrafter, LeanDraft, _closed
+from core.decode.generate import collect, stream
+from core.decode.settings import DecodeSettings
+from core.decode.step import Draft
+from core.decode.tree import build_tree
+from core.drafters.eagle import DrafterCard, EagleDraft, load_draft, save_draft
+from core.drafters.eagle_tree import EagleDrafter, LeanDraft, _closed
 from core.errors import UserError
-from core.generate import collect, stream
-from core.settings import DecodeSettings
-from core.step import Draft
-from core.tree import build_tree
-from core.tune import eagle_train
+from core.train import eagle as eagle_train
 from models.eagle_formats import load_published
 from tests.helpers import ARCHS, plain_tokens, three_token_p_value, tiny_model
 
@@ -130,7 +130,7 @@ def test_drafter_offers_the_draft_layers_own_top_tokens():
         proposed = drafter.propose(seq.features[s], seq.ids[s + 1], seq.ids[: s + 2].tolist())
     assert proposed.tree.size == 4 and proposed.tree.depth[1:].tolist() == [1, 1, 1]
     assert sorted(proposed.tokens[1:].tolist()) == sorted(expected)
-    assert set(proposed.sources[1:]) == {5}  # core.tree.EAGLE
+    assert set(proposed.sources[1:]) == {5}  # core.decode.tree.EAGLE
 
 
 @pytest.mark.parametrize("arch", ARCHS)

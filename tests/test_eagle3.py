@@ -8,16 +8,16 @@ import copy
 import pytest
 import torch
 
-from core import cache as kv
-from core import fast
-from core.eagle import DrafterCard, EagleDraft, eagle3_taps, load_draft, save_draft
-from core.eagle_tree import EagleDrafter
+from core.backends import cache as kv
+from core.backends import lean as fast
+from core.decode.generate import collect, stream
+from core.decode.settings import DecodeSettings
+from core.decode.step import Draft, prefill, verify
+from core.decode.tree import load_tree
+from core.drafters.eagle import DrafterCard, EagleDraft, eagle3_taps, load_draft, save_draft
+from core.drafters.eagle_tree import EagleDrafter
 from core.errors import UserError
-from core.generate import collect, stream
-from core.settings import DecodeSettings
-from core.step import Draft, prefill, verify
-from core.tree import load_tree
-from core.tune import eagle_train
+from core.train import eagle as eagle_train
 from tests.helpers import ARCHS, FAST_KERNELS, plain_tokens, require_kernel, tiny_model
 
 PROMPT = [1, 17, 33, 5, 60, 2, 41]

@@ -5,13 +5,13 @@ from itertools import product
 import pytest
 import torch
 
-from core import cache as kv
-from core import fast
-from core.drafters import MedusaDrafter
-from core.generate import Finished, StepEvent, collect, stream
-from core.settings import DecodeSettings
-from core.step import accept, commit, prefill, verify
-from core.tree import build_tree, load_tree
+from core.backends import cache as kv
+from core.backends import lean as fast
+from core.decode.generate import Finished, StepEvent, collect, stream
+from core.decode.settings import DecodeSettings
+from core.decode.step import accept, commit, prefill, verify
+from core.decode.tree import build_tree, load_tree
+from core.drafters.fixed import MedusaDrafter
 from models.heads import MedusaHeads
 from tests.helpers import (
     ARCHS,
@@ -74,7 +74,7 @@ def test_tree_forward_matches_sequential_forwards(attn):
     tokens = torch.randint(0, 96, (tree.size,), generator=torch.Generator().manual_seed(0))
     cache = kv.new_cache()
     prefill(model, cache, torch.tensor(PROMPT))
-    from core.step import Draft
+    from core.decode.step import Draft
 
     fwd = verify(model, cache, Draft(tokens, tree))
     for node in range(tree.size):

@@ -1,4 +1,4 @@
-"""core.fast: the lean forward agrees with transformers, packed kernels round every row alike,
+"""core.backends.lean: the lean forward agrees with transformers, packed kernels round every row alike,
 the static cache keeps paths, int4 reproduces 4-bit blocks, and the kernel choice is remembered."""
 
 import json
@@ -6,14 +6,15 @@ import json
 import pytest
 import torch
 
-from core import cache as kv
-from core import fast, q4
-from core.drafters import MedusaDrafter
-from core.generate import collect, stream
-from core.settings import DecodeSettings
-from core.step import Draft, RowLogits, prefill, verify
-from core.tree import build_tree, load_tree
-from core.tune import kernels
+from core.backends import cache as kv
+from core.backends import lean as fast
+from core.backends import q4
+from core.decode.generate import collect, stream
+from core.decode.settings import DecodeSettings
+from core.decode.step import Draft, RowLogits, prefill, verify
+from core.decode.tree import build_tree, load_tree
+from core.drafters.fixed import MedusaDrafter
+from core.measure import kernels
 from tests.helpers import FAST_KERNELS, OracleDrafter, plain_tokens, require_kernel, three_token_p_value, tiny_model
 from tests.test_engine import random_heads
 

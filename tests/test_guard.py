@@ -27,8 +27,8 @@ from fastapi.testclient import TestClient
 import app.engine
 from app import api, guard, store
 from app.engine import Engine, Loaded
+from core.decode.generate import Finished
 from core.errors import UserError
-from core.generate import Finished
 from models.loader import Backbone
 from tests.helpers import tiny_model
 from tests.test_api import assert_error, free_port

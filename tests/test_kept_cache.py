@@ -1,4 +1,4 @@
-"""The conversation's cache kept between replies (`core.cache.Kept`): the next request reads only
+"""The conversation's cache kept between replies (`core.backends.cache.Kept`): the next request reads only
 what its prompt does not share with the last one, and no reply changes by a token.
 
 The reference for every reply is the same request on an engine that keeps nothing (its kept
@@ -12,16 +12,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from core import cache as kv
-from core import fast
-from core.cache import Kept
-from core.drafters import MedusaDrafter
-from core.eagle import EagleDraft, init_from_backbone
-from core.eagle_tree import EagleDrafter
-from core.generate import Finished, collect, stream
-from core.lookup import NgramIndex
-from core.settings import DecodeSettings
-from core.tree import AUTO, load_preset
+from core.backends import cache as kv
+from core.backends import lean as fast
+from core.backends.cache import Kept
+from core.decode.generate import Finished, collect, stream
+from core.decode.settings import DecodeSettings
+from core.decode.tree import AUTO, load_preset
+from core.drafters.eagle import EagleDraft, init_from_backbone
+from core.drafters.eagle_tree import EagleDrafter
+from core.drafters.fixed import MedusaDrafter
+from core.drafters.lookup import NgramIndex
 from tests.helpers import FAST_KERNELS, tiny_model
 from tests.test_devices import corpus, random_heads
 
@@ -192,12 +192,12 @@ def test_sampled_replies_with_a_seed_are_unchanged(loaded, mode):
 
 
 def test_the_second_turn_reads_only_the_new_tokens(loaded, monkeypatch):
-    import core.generate
+    import core.decode.generate
 
     read: list[int] = []
-    prefill = core.generate.prefill
+    prefill = core.decode.generate.prefill
     monkeypatch.setattr(
-        core.generate, "prefill", lambda m, c, ids, taps=(): read.append(ids.numel()) or prefill(m, c, ids, taps)
+        core.decode.generate, "prefill", lambda m, c, ids, taps=(): read.append(ids.numel()) or prefill(m, c, ids, taps)
     )
     engine, _ = engines(loaded)
     try:

@@ -9,9 +9,10 @@ import random
 import pytest
 import torch
 
-from core import fast, q4
-from core.tune import kernels, profile
-from core.tune.policy import CostCurve
+from core.backends import lean as fast
+from core.backends import q4
+from core.drafters.policy import CostCurve
+from core.measure import kernels, profile
 from tests.helpers import library_builds, tiny_model
 from tests.tiny_folder import save_tiny_model
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import Tensor
 
+from app.history import fit_history
+from core.decode.generate import collect, stream
+from core.decode.settings import DecodeSettings
+from core.decode.step import Draft
+from core.decode.tree import build_tree
 from core.errors import UserError
-from core.generate import collect, stream
-from core.history import fit_history
-from core.settings import DecodeSettings
-from core.step import Draft
-from core.tree import build_tree
 from tests.helpers import plain_tokens, tiny_model
 
 PROMPT = [1, 17, 33, 5, 60, 2, 41]

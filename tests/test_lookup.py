@@ -6,11 +6,11 @@ from collections import Counter
 import pytest
 import torch
 
-from core.drafters import LookupDrafter, MedusaDrafter
-from core.generate import collect, stream
-from core.lookup import NgramIndex
-from core.settings import DecodeSettings
-from core.tree import BOTH, CONTEXT, HEADS, ROOT, build_tree, graft, load_tree
+from core.decode.generate import collect, stream
+from core.decode.settings import DecodeSettings
+from core.decode.tree import BOTH, CONTEXT, HEADS, ROOT, build_tree, graft, load_tree
+from core.drafters.fixed import LookupDrafter, MedusaDrafter
+from core.drafters.lookup import NgramIndex
 from tests.helpers import (
     ARCHS,
     brute_force_continuations,

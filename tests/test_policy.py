@@ -9,13 +9,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from core import fast, q4
-from core.generate import collect, stream
-from core.settings import DecodeSettings
-from core.tree import load_preset
-from core.tune import costs
-from core.tune.auto import AutoDrafter, auto_drafter
-from core.tune.policy import (
+from app.worker import ComputeThread
+from core.backends import lean as fast
+from core.backends import q4
+from core.decode.generate import collect, stream
+from core.decode.settings import DecodeSettings
+from core.decode.tree import load_preset
+from core.drafters.auto import AutoDrafter, auto_drafter
+from core.drafters.policy import (
     CONTEXT_DEPTH,
     CONTEXT_KEY,
     CONTEXT_PRIOR,
@@ -26,7 +27,7 @@ from core.tune.policy import (
     prior_accuracy,
     prior_reliability,
 )
-from core.worker import ComputeThread
+from core.measure import costs
 from tests.helpers import FAST_KERNELS, plain_tokens, three_token_p_value, tiny_model
 from tests.test_engine import PROMPT, random_heads
 

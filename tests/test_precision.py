@@ -12,13 +12,14 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from core import fast, precision
-from core.drafters import MedusaDrafter, make_drafter
-from core.eagle import EagleDraft, init_from_backbone
-from core.eagle_tree import eagle_drafter
-from core.generate import collect, stream
-from core.settings import DecodeSettings
-from core.tree import load_preset
+from core.backends import lean as fast
+from core.decode import precision
+from core.decode.generate import collect, stream
+from core.decode.settings import DecodeSettings
+from core.decode.tree import load_preset
+from core.drafters.eagle import EagleDraft, init_from_backbone
+from core.drafters.eagle_tree import eagle_drafter
+from core.drafters.fixed import MedusaDrafter, make_drafter
 from models.heads import MedusaHeads
 from tests.helpers import library_builds, tiny_model
 from tests.tiny_folder import save_tiny_model
@@ -103,7 +104,7 @@ def test_the_chat_and_the_api_show_the_note(nf4_model):
 
 
 def test_bench_reports_the_agreement_in_its_precision(nf4_model):
-    from core.bench import agreement, precision_label, run_bench, summarize
+    from app.bench import agreement, precision_label, run_bench, summarize
 
     model = nf4_model.model
     drafters = {"medusa": MedusaDrafter(heads_for(model), load_preset("cpu-8").tree)}
@@ -173,7 +174,7 @@ def test_the_decode_paths_raise_no_deprecation_warning(arch):
 
 
 def test_the_stock_peer_decodes_without_deprecation_warnings():
-    from core.bench import run_once
+    from app.bench import run_once
 
     model = tiny_model("llama")
     with no_transformers_deprecations():

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from core.tune import profile
+from core.measure import profile
 from tests.helpers import tiny_model
 
 

@@ -1,4 +1,4 @@
-"""core.q4: the 4-bit kernel computes what its torch reference computes, in both variants, gives
+"""core.backends.q4: the 4-bit kernel computes what its torch reference computes, in both variants, gives
 each row the same result at any row count, and its cached library is rebuilt when it is damaged
 or stale, or left for torch's kernel (with the reason) where it cannot be built."""
 
@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from core import fast, q4
+from core.backends import lean as fast
+from core.backends import q4
 from tests.helpers import library_builds
 
 
@@ -93,7 +94,7 @@ def _only_artifact(folder):
 def _launch(cache) -> subprocess.CompletedProcess:
     """A later launch: a new process loads the kernel from the user cache `cache`."""
     code = (
-        "import sys; from core import q4; lib = q4.library(); sys.exit(lib is None or lib.q4_version() != q4.VERSION)"
+        "import sys; from core.backends import q4; lib = q4.library(); sys.exit(lib is None or lib.q4_version() != q4.VERSION)"
     )
     env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
+from core.decode.generate import collect, stream
+from core.decode.settings import DecodeSettings
 from core.errors import UserError
-from core.generate import collect, stream
-from core.settings import DecodeSettings
 from models import loader
 from models.loader import device_map, load_backbone, pick_device
 from tests.tiny_folder import save_tiny_model

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.drafters import LookupDrafter, MedusaDrafter
+from core.decode.generate import collect, stream
+from core.decode.settings import DecodeSettings
+from core.decode.tree import build_tree, load_tree
+from core.drafters.auto import AutoDrafter
+from core.drafters.fixed import LookupDrafter, MedusaDrafter
+from core.drafters.policy import RETRIEVAL_PRIOR, CostCurve, Policy
+from core.drafters.retrieval import MAX_MATCH, MIN_MATCH, Corpus, SuffixIndex, evidence, load_corpus, save_corpus
 from core.errors import UserError
-from core.generate import collect, stream
-from core.retrieval import MAX_MATCH, MIN_MATCH, Corpus, SuffixIndex, evidence, load_corpus, save_corpus
-from core.settings import DecodeSettings
-from core.tree import build_tree, load_tree
-from core.tune.auto import AutoDrafter
-from core.tune.policy import RETRIEVAL_PRIOR, CostCurve, Policy
 from tests.helpers import plain_tokens, three_token_p_value, tiny_model
 from tests.test_engine import PROMPT, random_heads
 
@@ -209,7 +209,7 @@ def test_shipped_corpus_loads_for_the_embedded_model():
 @pytest.mark.embedded
 def test_engine_drafts_from_saved_chats_and_its_own_replies_unless_opted_out():
     from app.engine import Engine, ReplyRequest
-    from core.generate import Finished
+    from core.decode.generate import Finished
     from models.embedded import EMBEDDED_ID
 
     saved = "Zebra lanterns hum quietly over the violet harbour."

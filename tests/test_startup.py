@@ -182,8 +182,9 @@ def test_a_bench_report_that_cannot_be_written_at_the_end_is_kept_elsewhere(tmp_
 
 
 def test_a_remembered_library_kernel_falls_back_when_the_library_is_unavailable(tmp_path, monkeypatch):
-    from core import fast, q4
-    from core.tune import kernels
+    from core.backends import lean as fast
+    from core.backends import q4
+    from core.measure import kernels
 
     record = tmp_path / "cpu-kernels.json"
     key = kernels._key("64x128", "auto", "int4")

@@ -9,7 +9,7 @@ def test_the_status_says_when_lossless_is_exact_only_up_to_rounding():
     from types import SimpleNamespace
 
     from app.engine import Engine, Loaded
-    from core import fast
+    from core.backends import lean as fast
     from tests.helpers import library_builds, tiny_model
 
     engine = Engine("tiny")
@@ -28,7 +28,7 @@ def test_the_status_names_4_bit_weights():
     import pytest
 
     from app.engine import Engine, Loaded
-    from core import fast
+    from core.backends import lean as fast
     from tests.helpers import tiny_model
 
     if not fast.kernel_works("int4", torch.bfloat16):

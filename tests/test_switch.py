@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 import torch
 
-from core.step import NoDrafter
-from core.tune.switch import EVERY, FIRST_GAP, MAX_GAP, TURNS, Fastest
+from core.decode.step import NoDrafter
+from core.drafters.switch import EVERY, FIRST_GAP, MAX_GAP, TURNS, Fastest
 
 TRIAL = 2 * TURNS  # the steps of a trial between two drafters
 

@@ -1,6 +1,6 @@
-from core.generate import collect, stream
-from core.settings import DecodeSettings
-from core.text import Detokenizer
+from core.decode.generate import collect, stream
+from core.decode.settings import DecodeSettings
+from core.decode.text import Detokenizer
 from tests.helpers import plain_tokens, tiny_model
 
 

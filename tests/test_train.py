@@ -7,10 +7,10 @@ import sys
 import pytest
 import torch
 
-from core.fast import forward_of
-from core.generate import collect, stream
-from core.settings import DecodeSettings
-from core.tune import train
+from core.backends.lean import forward_of
+from core.decode.generate import collect, stream
+from core.decode.settings import DecodeSettings
+from core.train import heads as train
 from models.heads import MedusaHeads, load_heads
 from tests.helpers import tiny_model
 
@@ -61,7 +61,7 @@ def test_on_a_cpu_the_lean_forward_answers_one_at_a_time_as_batches_do(tmp_path)
     eos, pad = (95,), 0
     batched, lean = tmp_path / "batched.jsonl", tmp_path / "lean.jsonl"
     train.distill(tiny_model("llama"), PROMPTS, batched, eos, pad, batch_size=3, max_new_tokens=8)
-    model = tiny_model("llama+dense")  # the same weights, served by core.fast
+    model = tiny_model("llama+dense")  # the same weights, served by core.backends.lean
     assert forward_of(model) is not None
     train.distill(model, PROMPTS, lean, eos, pad, batch_size=3, max_new_tokens=8)
     assert sorted(map(str, train.read_records(lean))) == sorted(map(str, train.read_records(batched)))

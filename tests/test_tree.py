@@ -3,8 +3,8 @@ import json
 import pytest
 import torch
 
+from core.decode.tree import build_tree, check_fits, load_tree, preset_names
 from core.errors import UserError
-from core.tree import build_tree, check_fits, load_tree, preset_names
 
 # Hand-checked tree: root 0; [0]→1, [1]→2, [0,0]→3, [0,1]→4, [1,0]→5
 PATHS = [[1, 0], [0], [0, 1], [1], [0, 0]]  # unsorted on purpose

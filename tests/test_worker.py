@@ -7,14 +7,14 @@ from concurrent.futures import CancelledError
 
 import pytest
 
-from core.worker import ComputeThread
+from app.worker import ComputeThread
 
 
 def test_close_lets_a_cooperative_stream_end_cancels_queued_jobs_and_ends_the_thread():
     worker = ComputeThread()
     started = threading.Event()
 
-    def reply():  # stops at its next step once the thread is closing, like core.generate.stream
+    def reply():  # stops at its next step once the thread is closing, like core.decode.generate.stream
         started.set()
         n = 0
         while not worker.closing:

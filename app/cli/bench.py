@@ -43,8 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from core import fast, precision
-    from core.bench import (
+    from app.bench import (
         STOCK_DTYPES,
         TREE_MODES,
         agreement,
@@ -59,8 +58,10 @@ def run(args: argparse.Namespace) -> int:
         summarize,
         table,
     )
-    from core.tree import AUTO, load_preset
-    from core.tune.kernels import native_bf16
+    from core.backends import lean as fast
+    from core.decode import precision
+    from core.decode.tree import AUTO, load_preset
+    from core.measure.kernels import native_bf16
     from models.stock import stock_peers
 
     if args.modes:
@@ -184,11 +185,11 @@ def _lengths(spec: str | None) -> list[int]:
 
 def _by_context(backbone, prompts: list[str], lengths: list[int], system: str | None, settings, bench):
     """The runs of `bench` over `prompts` lengthened to each of `lengths` tokens (prompt i at the
-    k-th length numbered k·len(prompts) + i), and the rows of `core.bench.by_context`."""
+    k-th length numbered k·len(prompts) + i), and the rows of `app.bench.by_context`."""
     from dataclasses import replace
 
-    from core.bench import by_context
-    from core.generate import context_length
+    from app.bench import by_context
+    from core.decode.generate import context_length
 
     room = context_length(backbone.model) - settings.max_new_tokens
     if max(lengths) > room:

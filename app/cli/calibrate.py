@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tqdm.auto import tqdm
 
-    from core.tune import calibrate as cal
+    from core.train import calibrate as cal
     from models.loader import heads_for, load_backbone, resolve, resolve_heads
 
     try:

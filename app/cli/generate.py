@@ -7,9 +7,9 @@ import json
 import sys
 
 from app.cli.options import check_seeds, decoding_options, setup
+from core.decode.settings import MODES
+from core.decode.tree import AUTO
 from core.errors import UserError
-from core.settings import MODES
-from core.tree import AUTO
 
 HELP = "answer one prompt (the reply on stdout; with --json one JSON object)"
 
@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from core.generate import Finished, stream
+    from core.decode.generate import Finished, stream
 
     if not args.prompt.strip():
         raise UserError("The prompt is empty; pass --prompt with some text.")
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
             "drafter": next(iter(drafters), None),
             "tree": args.tree if args.tree == AUTO else preset.name,
             "acceptance": args.acceptance,
-            "exactness": done.exactness,  # against plain decoding (core.precision)
+            "exactness": done.exactness,  # against plain decoding (core.decode.precision)
             "samples": samples,
         }
         print(json.dumps(result, ensure_ascii=False))

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from core.errors import UserError
 
 if TYPE_CHECKING:
-    from core.settings import DecodeSettings
+    from core.decode.settings import DecodeSettings
 
 SEEDS = 2**64  # torch's generators take seeds from 0 to 2**64 - 1
 
@@ -43,8 +43,8 @@ def model_options(p: argparse.ArgumentParser, heads: bool = True) -> None:
 
 
 def decoding_options(p: argparse.ArgumentParser) -> None:
-    from core.settings import ACCEPTANCE_RULES
-    from core.tree import AUTO, DRAFTERS
+    from core.decode.settings import ACCEPTANCE_RULES
+    from core.decode.tree import AUTO, DRAFTERS
 
     model_options(p)
     p.add_argument("--acceptance", default="lossless", choices=ACCEPTANCE_RULES)
@@ -131,7 +131,7 @@ def device_name(text: str) -> str:
 
 
 def settings(args: argparse.Namespace) -> DecodeSettings:
-    from core.settings import DecodeSettings
+    from core.decode.settings import DecodeSettings
 
     return DecodeSettings(
         acceptance=args.acceptance,
@@ -151,8 +151,7 @@ def setup(args: argparse.Namespace, kinds: tuple[str, ...] | None, fixed: tuple[
     `kinds` None means the drafter chosen by --drafter or, failing that, by the model's preset.
     With --tree auto each kind gets the speculation policy; `fixed` adds "KIND@PRESET" drafters
     on a fixed tree (bench compares them)."""
-    from core.drafters import make_drafter
-    from core.tree import (
+    from core.decode.tree import (
         AUTO,
         EAGLE_DRAFTERS,
         EAGLE_OPTIONAL,
@@ -161,7 +160,8 @@ def setup(args: argparse.Namespace, kinds: tuple[str, ...] | None, fixed: tuple[
         load_preset,
         preset_names,
     )
-    from core.tune.auto import auto_drafter
+    from core.drafters.auto import auto_drafter
+    from core.drafters.fixed import make_drafter
     from models.loader import (
         corpus_for,
         eagle_for,
@@ -231,7 +231,7 @@ def answer_prompts(
     resumes, and continues replies an earlier run cut shorter); returns how many this run answered."""
     from tqdm.auto import tqdm
 
-    from core.tune import train
+    from core.train import heads as train
 
     encoded = [backbone.encode_chat(p) for p in prompts]
     desc = f"sampling replies ({sample})" if sample else "answering prompts"

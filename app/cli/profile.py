@@ -22,9 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from core import fast
-    from core.drafters import MedusaDrafter
-    from core.tune import profile
+    from core.backends import lean as fast
+    from core.drafters.fixed import MedusaDrafter
+    from core.measure import profile
     from models.loader import heads_for, load_backbone, resolve, resolve_heads
 
     try:

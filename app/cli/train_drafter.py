@@ -58,8 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from core.retrieval import save_corpus
-    from core.tune import replies, train
+    from core.drafters.retrieval import save_corpus
+    from core.train import heads as train
+    from core.train import replies
     from models.loader import load_backbone
 
     if not 0 < args.held_out < 1 or args.batch_size < 1 or args.max_new_tokens < 1:

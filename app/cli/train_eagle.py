@@ -18,8 +18,10 @@ def train_eagle(
 ) -> int:  # fmt: skip
     from tqdm.auto import tqdm
 
-    from core.eagle import DrafterCard, EagleDraft, eagle3_taps, init_from_backbone, save_draft
-    from core.tune import eagle_train, replies, train
+    from core.drafters.eagle import DrafterCard, EagleDraft, eagle3_taps, init_from_backbone, save_draft
+    from core.train import eagle as eagle_train
+    from core.train import heads as train
+    from core.train import replies
     from models.loader import load_stock
 
     stock = load_stock(backbone, torch.bfloat16)  # batched features: bf16 on unpacked weights is fastest
@@ -96,7 +98,8 @@ def _sampled(
     from tqdm.auto import tqdm
 
     from app.cli.options import answer_prompts
-    from core.tune import eagle_train, train
+    from core.train import eagle as eagle_train
+    from core.train import heads as train
 
     out, sampling, featuring, wanted = [], 0.0, 0.0, set(kept)
     for k in range(1, args.samples + 1):

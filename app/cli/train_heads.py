@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm.auto import tqdm
 
-    from core.tune import train
+    from core.train import heads as train
     from models.heads import MedusaHeads
     from models.loader import load_backbone
 

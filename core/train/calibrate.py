@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from core import cache as kv
-from core.lookup import NgramIndex, node_count
-from core.step import Draft, accept, commit, prefill, verify
-from core.tune.profile import time_ms
+from core.backends import cache as kv
+from core.decode.step import Draft, accept, commit, prefill, verify
+from core.drafters.lookup import NgramIndex, node_count
+from core.measure.profile import time_ms
 
 LOOKUP_SETTINGS = ((1, 4), (2, 4), (3, 4), (1, 6), (2, 6), (3, 6), (4, 8))  # (branches, length) tried
 BINS = 10  # a head's probabilities in bins 0.1 wide, for how often candidates of each were right
@@ -300,11 +300,11 @@ def calibrate(
 ) -> Calibration:  # fmt: skip
     """Greedy replies to `encoded` prompts, the heads' candidates at every reply position, this
     machine's step latency by tree size, and every (drafter, budget, lookup) option replayed."""
-    from core.drafters import LookupDrafter, MedusaDrafter
-    from core.settings import DecodeSettings
-    from core.step import NoDrafter
-    from core.tree import build_tree
-    from core.tune import train
+    from core.decode.settings import DecodeSettings
+    from core.decode.step import NoDrafter
+    from core.decode.tree import build_tree
+    from core.drafters.fixed import LookupDrafter, MedusaDrafter
+    from core.train import heads as train
 
     # 1) greedy replies and the heads' candidates at every reply position
     replies = []

@@ -33,5 +33,5 @@ def now(device: torch.device | str | None = None) -> float:
 
 
 def synchronizer(device: torch.device | str | None) -> Callable[[], None]:
-    """`synchronize` bound to `device` (what `core.tune.profile.time_ms` takes)."""
+    """`synchronize` bound to `device` (what `core.measure.profile.time_ms` takes)."""
     return lambda: synchronize(device)

@@ -2,8 +2,8 @@
 
 A verify forward runs a tree's rows together where a plain step runs one row. The two agree
 bit for bit only where every kernel gives a row the same result whatever the row count:
-- float32 on the CPU (torch's kernels; `core.fast` measures its packed kernels before it uses them);
-- the kernel library's whole-layer decoder (`core.q4`), which computes the rows one by one.
+- float32 on the CPU (torch's kernels; `core.backends.lean` measures its packed kernels before it uses them);
+- the kernel library's whole-layer decoder (`core.backends.q4`), which computes the rows one by one.
 Everywhere else a tree step and a plain step may round differently, so a near-tie between two
 tokens can fall the other way, and the reply is exact only up to rounding:
 - bf16 and fp16, on any device;
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from core import fast
-from core.settings import DecodeSettings
+from core.backends import lean as fast
+from core.decode.settings import DecodeSettings
 
 EXACT = "exact"
 TYPICAL = "approximate (typical acceptance)"
@@ -28,7 +28,7 @@ TYPICAL = "approximate (typical acceptance)"
 def quantization(model) -> str | None:
     """How the model's weights are quantized by transformers ("nf4", "fp4", "int8", or the method
     of another quantizer); None for plain weights (the CPU's own int4 kernels are not counted:
-    `core.fast` computes rows alike with them where the library decoder runs)."""
+    `core.backends.lean` computes rows alike with them where the library decoder runs)."""
     config = getattr(getattr(model, "config", None), "quantization_config", None)
     if config is None:
         return None

@@ -1,6 +1,6 @@
 """Which dtype and matmul kernel decode fastest on this CPU, measured here and remembered.
 
-The candidates are `core.fast`'s PackedLinear kernels in fp32 and bf16 (bf16 only where the CPU
+The candidates are `core.backends.lean`'s PackedLinear kernels in fp32 and bf16 (bf16 only where the CPU
 has native bf16 arithmetic). Each is timed on the model's own MLP shapes at one row (a plain
 step) and eight rows (a tree step), over enough distinct weights that they do not sit in the
 CPU cache, as in a real forward. A kernel that fails here (oneDNN's bf16 needs AVX-512 or
@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from core import fast, q4
-from core.tune.profile import cpu_flags, machine, time_ms
+from core.backends import lean as fast
+from core.backends import q4
+from core.measure.profile import cpu_flags, machine, time_ms
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ROWS = (1, 8)  # a plain step and a typical tree step
@@ -96,7 +97,7 @@ def _earlier(known: dict, key: str) -> object:
 
 
 def head_by_row(head: fast.PackedLinear, record: Path) -> bool:
-    """Whether a tree's logits are computed a node at a time (`core.fast.row_head`): whether 8
+    """Whether a tree's logits are computed a node at a time (`core.backends.lean.row_head`): whether 8
     rows through this lm_head cost more than twice one row. Measured once per machine, shape and
     kernel (interleaved, the median of `HEAD_REPEATS`), and remembered, so every launch of a
     model makes the same choice; a new measurement (a changed kernel library) turns an earlier

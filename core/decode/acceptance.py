@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from core.decode.tree import TreeBuffers
 from core.errors import UserError
-from core.tree import TreeBuffers
 
 
 @dataclass(frozen=True)

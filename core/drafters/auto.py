@@ -9,10 +9,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from core.lookup import NgramIndex, node_count
-from core.retrieval import RETRIEVAL_LENGTH, Corpus
-from core.step import Draft, NoDrafter
-from core.tree import (
+from core.decode.step import Draft, NoDrafter
+from core.decode.tree import (
     CONTEXT,
     EAGLE_DRAFTERS,
     EAGLE_OPTIONAL,
@@ -25,7 +23,9 @@ from core.tree import (
     build_tree,
     graft,
 )
-from core.tune.policy import CONTEXT_DEPTH, CONTEXT_KEY, RANKS, Choice, CostCurve, Policy, prior_accuracy
+from core.drafters.lookup import NgramIndex, node_count
+from core.drafters.policy import CONTEXT_DEPTH, CONTEXT_KEY, RANKS, Choice, CostCurve, Policy, prior_accuracy
+from core.drafters.retrieval import RETRIEVAL_LENGTH, Corpus
 
 TREES = 256  # tree buffers an AutoDrafter keeps built (each step's tree may differ)
 
@@ -157,12 +157,12 @@ def auto_drafter(
     from `preset`'s calibration (untrained heads start near 0); "eagle": the EAGLE draft layer
     `eagle` with both lookups, each step's node count chosen from the costs. "hybrid" with an
     `eagle` layer: whichever of the two decodes faster on this machine, measured as it runs."""
-    from core.eagle_tree import eagle_drafter
+    from core.drafters.eagle_tree import eagle_drafter
 
     if kind in EAGLE_DRAFTERS:
         return eagle_drafter(eagle, curve, corpus if kind in RETRIEVAL_DRAFTERS else None)
     if kind in EAGLE_OPTIONAL and eagle is not None:
-        from core.tune.switch import Fastest
+        from core.drafters.switch import Fastest
 
         heads_tree = auto_drafter(kind, heads, curve, preset, trained, corpus)
         contenders = {"heads": heads_tree, "eagle": eagle_drafter(eagle, curve, corpus), "plain": NoDrafter()}

@@ -20,10 +20,9 @@ from pathlib import Path
 
 import torch
 
-from core import cache as kv
-from core.clock import synchronizer
-from core.settings import DecodeSettings
-from core.step import (
+from core.backends import cache as kv
+from core.decode.settings import DecodeSettings
+from core.decode.step import (
     Draft,
     Drafter,
     Forward,
@@ -36,7 +35,8 @@ from core.step import (
     tree_mask,
     verify,
 )
-from core.tree import TreeBuffers, build_tree, load_tree
+from core.decode.tree import TreeBuffers, build_tree, load_tree
+from core.measure.clock import synchronizer
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)  # nodes per verify forward, the root included
 KERNEL_LIMITS = (("oneDNN", "ONEDNN_MAX_CPU_ISA"), ("MKL", "MKL_ENABLE_INSTRUCTIONS"))
@@ -216,7 +216,7 @@ def _parts(model, cache, past: int, draft: Draft, settings: DecodeSettings, repe
 
 def row_macs(model) -> int:
     """Multiply-adds of one row through the model's linear layers (packed or not), the lm_head included."""
-    from core import fast  # core.fast builds on this package's timing
+    from core.backends import lean as fast  # core.backends.lean builds on this package's timing
 
     return sum(
         m.in_features * m.out_features for m in model.modules() if isinstance(m, (torch.nn.Linear, fast.PackedLinear))
@@ -226,7 +226,7 @@ def row_macs(model) -> int:
 def kernel_peak(model, rows: int = 32, outputs: int = 2048, repeats: int = 7) -> float:
     """The decoder layers' matmul kernel's multiply-adds a second here (G), at `rows` rows on a
     weight of the model's width that stays in the CPU cache: the most a tree's rows can get."""
-    from core import fast
+    from core.backends import lean as fast
 
     hidden = model.config.get_text_config().hidden_size
     kernel = fast.layer_kernel(model) or "dense"

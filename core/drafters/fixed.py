@@ -13,11 +13,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from core.errors import UserError
-from core.lookup import NgramIndex
-from core.retrieval import Corpus
-from core.step import Draft
-from core.tree import (
+from core.decode.step import Draft
+from core.decode.tree import (
     CONTEXT,
     DRAFTERS,
     EAGLE_DRAFTERS,
@@ -30,6 +27,9 @@ from core.tree import (
     check_fits,
     graft,
 )
+from core.drafters.lookup import NgramIndex
+from core.drafters.retrieval import Corpus
+from core.errors import UserError
 
 
 class Heads(Protocol):
@@ -136,7 +136,7 @@ def make_drafter(
         raise UserError(f"Unknown drafter '{kind}'; choose one of {', '.join(DRAFTERS)}.")
     corpus = corpus if kind in RETRIEVAL_DRAFTERS else None
     if kind in EAGLE_DRAFTERS:
-        from core.eagle_tree import eagle_drafter
+        from core.drafters.eagle_tree import eagle_drafter
 
         return eagle_drafter(eagle, corpus=corpus, budget=tree.size - 1, branches=branches, length=length)
     if kind not in HEAD_DRAFTERS:

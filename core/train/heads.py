@@ -25,11 +25,11 @@ from safetensors import safe_open
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from core.backends.lean import forward_of
+from core.decode.generate import collect, stream
+from core.decode.settings import DecodeSettings
 from core.errors import UserError
-from core.fast import forward_of
 from core.files import save_tensors
-from core.generate import collect, stream
-from core.settings import DecodeSettings
 
 # -- 1) self-distillation ---------------------------------------------------------------------
 
@@ -137,7 +137,7 @@ def greedy_answers(
 ) -> list[list[int]]:
     """Each prompt's greedy reply, up to and with its end-of-turn token.
 
-    On a CPU with the lean forward (`core.fast`), one prompt at a time through the project's own
+    On a CPU with the lean forward (`core.backends.lean`), one prompt at a time through the project's own
     decoding loop: batching through transformers' `generate` re-copies the whole cache every step
     and runs 2–3× slower there. Elsewhere (a GPU), left-padded batches through `generate`."""
     if forward_of(model) is not None and model.device.type == "cpu":

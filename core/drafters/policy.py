@@ -16,7 +16,7 @@ prices each option, plain decoding included, and takes the fastest; after it
   is right given the ones before were (a continuation cut to k tokens costs fewer nodes, and a
   step of the cost staircase may take a cut one where it would not take the whole), kept apart
   for the context (this reply's own text) and for retrieval from past replies by how strongly
-  the corpus backs the continuation (`core.retrieval.evidence`: a phrase that always goes on
+  the corpus backs the continuation (`core.drafters.retrieval.evidence`: a phrase that always goes on
   alike is right far more often than one that goes on many ways); each step offers the lookup
   expected to match further;
 - cost: the curve's step time by node count, scaled by how plain and tree steps actually ran
@@ -42,8 +42,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from core.lookup import common_prefix
-from core.tune.calibrate import BINS, bin_middles, greedy_order, interpolate, probability_bins
+from core.drafters.lookup import common_prefix
+from core.train.calibrate import BINS, bin_middles, greedy_order, interpolate, probability_bins
 
 MAX_BUDGET = 32  # head nodes the policy may draft (the root not counted)
 EXPLORE_EVERY = 16  # after at least this many steps without heads, draft with them once

@@ -15,14 +15,14 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from core import cache as kv
-from core import precision
-from core.clock import now
+from core.backends import cache as kv
+from core.decode import precision
+from core.decode.settings import DecodeSettings
+from core.decode.step import Draft, Drafter, NoDrafter, accept, commit, first_token, prefill, verify
+from core.decode.text import Decoder, Detokenizer
+from core.decode.tree import SOURCES
 from core.errors import ContextExceeded, UserError
-from core.settings import DecodeSettings
-from core.step import Draft, Drafter, NoDrafter, accept, commit, first_token, prefill, verify
-from core.text import Decoder, Detokenizer
-from core.tree import SOURCES
+from core.measure.clock import now
 
 FINISH_REASONS = ("eos", "stop", "length", "cancelled")
 

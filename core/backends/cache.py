@@ -1,6 +1,6 @@
 """The KV cache contract: keeping only an accepted path, whichever cache a model decodes with.
 
-A model served by `core.fast` decodes with its pre-allocated `StaticKV`; any other with
+A model served by `core.backends.lean` decodes with its pre-allocated `StaticKV`; any other with
 transformers' DynamicCache. After a verify forward the cache holds the committed prefix
 followed by every tree node. The accepted nodes are moved down to sit right after the prefix,
 and the rest is cut off, so the cache afterwards is exactly the cache of a plain run over the
@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from core import fast
-from core.lookup import common_prefix
+from core.backends import lean as fast
+from core.drafters.lookup import common_prefix
 
 Cache = DynamicCache | fast.StaticKV
 

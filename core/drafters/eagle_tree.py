@@ -25,16 +25,16 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from core import fast
-from core.clock import now
-from core.drafters import continuations, with_branches
-from core.eagle import EagleDraft, scaled_taps
+from core.backends import lean as fast
+from core.decode.step import Draft
+from core.decode.tree import CONTEXT, EAGLE, RETRIEVAL, ROOT, build_tree, from_parents
+from core.drafters.eagle import EagleDraft, scaled_taps
+from core.drafters.fixed import continuations, with_branches
+from core.drafters.lookup import NgramIndex, common_prefix, node_count
+from core.drafters.policy import PRIOR_CURVE, Choice, CostCurve
+from core.drafters.retrieval import RETRIEVAL_LENGTH, Corpus
 from core.errors import UserError
-from core.lookup import NgramIndex, common_prefix, node_count
-from core.retrieval import RETRIEVAL_LENGTH, Corpus
-from core.step import Draft
-from core.tree import CONTEXT, EAGLE, RETRIEVAL, ROOT, build_tree, from_parents
-from core.tune.policy import PRIOR_CURVE, Choice, CostCurve
+from core.measure.clock import now
 
 TOP_K = 8  # candidates under each expanded node
 BEAM = 4  # nodes expanded per depth

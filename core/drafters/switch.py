@@ -44,7 +44,7 @@ from dataclasses import replace
 
 from torch import Tensor
 
-from core.step import Draft
+from core.decode.step import Draft
 
 TURNS = 8  # steps each drafter takes in one trial
 EVERY = 160  # steps between trials at first, and after a trial that changed the leader
@@ -140,7 +140,7 @@ class Fastest:
 
     def rewind(self, prompt_ids: Sequence[int], reused: int) -> int:
         """A new reply: every contender that reads features keeps what the one keeping least keeps
-        (see `core.generate.resume`); the second pass cuts back those asked before it answered."""
+        (see `core.decode.generate.resume`); the second pass cuts back those asked before it answered."""
         for _ in range(2):
             for drafter in self.drafters.values():
                 if getattr(drafter, "feed", None) is not None:

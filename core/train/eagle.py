@@ -28,9 +28,9 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 from transformers import DynamicCache, PreTrainedModel
 
-from core.eagle import EagleDraft
+from core.drafters.eagle import EagleDraft
 from core.files import save_tensors
-from core.tune.train import transcripts_key
+from core.train.heads import transcripts_key
 
 CHUNK = 128  # transcripts per feature file
 TOKENS_PER_BATCH = 4096  # padded tokens a training batch holds

@@ -15,12 +15,13 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from core import cache as kv
-from core import fast, q4
-from core.acceptance import Acceptance, accept_greedy, accept_greedy_walk, accept_sampling, accept_typical
-from core.sampling import probabilities
-from core.settings import DecodeSettings
-from core.tree import HEADS, ROOT, TreeBuffers, build_tree
+from core.backends import cache as kv
+from core.backends import lean as fast
+from core.backends import q4
+from core.decode.acceptance import Acceptance, accept_greedy, accept_greedy_walk, accept_sampling, accept_typical
+from core.decode.sampling import probabilities
+from core.decode.settings import DecodeSettings
+from core.decode.tree import HEADS, ROOT, TreeBuffers, build_tree
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class NoDrafter:
 
 class RowLogits:
     """Next-token logits computed one node at a time, the first time `[node]` asks: where the
-    lm_head's cost grows with every row (`core.fast.row_head`), a walk down the tree pays only
+    lm_head's cost grows with every row (`core.backends.lean.row_head`), a walk down the tree pays only
     for the nodes on its path, and each row rounds exactly as a one-token step's does."""
 
     def __init__(self, model: PreTrainedModel, hidden: Tensor) -> None:

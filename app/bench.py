@@ -22,13 +22,13 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import PreTrainedModel
 
-from core import precision
-from core.clock import now
+from core.decode import precision
+from core.decode.generate import collect, stream
+from core.decode.settings import DecodeSettings
+from core.decode.step import Drafter
+from core.decode.tree import DRAFTERS
 from core.errors import UserError
-from core.generate import collect, stream
-from core.settings import DecodeSettings
-from core.step import Drafter
-from core.tree import DRAFTERS
+from core.measure.clock import now
 
 TREE_MODES = DRAFTERS  # our tree loop, named by its drafter
 PEERS = ("llamacpp",)  # other engines, run through a function the caller supplies

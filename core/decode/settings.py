@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from core.acceptance import check_typical
+from core.decode.acceptance import check_typical
 from core.errors import UserError
 
 ACCEPTANCE_RULES = ("lossless", "typical")

@@ -23,13 +23,13 @@ from pathlib import Path
 
 import torch
 
-from core import cache as kv
-from core import q4
-from core.clock import synchronizer
-from core.settings import DecodeSettings
-from core.step import Draft, NoDrafter, accept, commit, prefill, verify
-from core.tune.policy import RANKS, CostCurve
-from core.tune.profile import machine, shaped_tree, time_ms
+from core.backends import cache as kv
+from core.backends import q4
+from core.decode.settings import DecodeSettings
+from core.decode.step import Draft, NoDrafter, accept, commit, prefill, verify
+from core.drafters.policy import RANKS, CostCurve
+from core.measure.clock import synchronizer
+from core.measure.profile import machine, shaped_tree, time_ms
 
 MAX_NODES = 41  # the largest step the policy drafts: the root, 32 head nodes and 8 lookup nodes
 # Every node count is measured, coarse ones first (what a cut budget leaves is still a curve): a

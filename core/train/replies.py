@@ -14,8 +14,8 @@ import random
 import time
 from collections.abc import Callable, Sequence
 
-from core.lookup import NgramIndex, common_prefix
-from core.retrieval import EVIDENCE_CLASSES, RETRIEVAL_LENGTH, Corpus, SuffixIndex
+from core.drafters.lookup import NgramIndex, common_prefix
+from core.drafters.retrieval import EVIDENCE_CLASSES, RETRIEVAL_LENGTH, Corpus, SuffixIndex
 
 DRAFTS = ("context", "retrieval", "context+retrieval")  # what `evaluate` replays
 

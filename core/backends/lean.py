@@ -25,12 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from core import q4
+from core.backends import q4
 
 SUPPORTED = ("llama", "mistral", "qwen2")  # model_type values whose decoder layers FastForward reproduces
 KERNELS = ("dense", "onednn", "int4", "q4", "q8")  # how a PackedLinear multiplies; see PackedLinear
 QUANTIZED = ("int4", "q4", "q8")  # the kernels of quantized weights, run with bf16 activations
-LIBRARY = ("q4", "q8")  # the kernels of the project's own library (core.q4)
+LIBRARY = ("q4", "q8")  # the kernels of the project's own library (core.backends.q4)
 _ATTR = "medusa_fast_forward"  # where a model carries its FastForward (see forward_of)
 INT4_GROUP = 32  # int4 weights: one scale and zero per 32 inputs (the GGUF Q4_1 block)
 ROW_STEP = 64  # every kernel takes a multiple of this many outputs (torch's int4 layout needs it)
@@ -43,7 +43,7 @@ class PackedLinear(nn.Module):
     - "onednn": oneDNN's pre-packed layout (`mkldnn._reorder_linear_weight`), fp32 or bf16.
     - "int4": weight-only int4, asymmetric per group of `INT4_GROUP` inputs, bf16 activations
       (torch's packed int4 CPU matmul).
-    - "q4": the same 4-bit weights with int8 activations, through `core.q4`'s kernel, whose cost
+    - "q4": the same 4-bit weights with int8 activations, through `core.backends.q4`'s kernel, whose cost
       barely grows with the rows up to 8 (torch's int4 kernel costs per block of 4 rows). A
       shape the kernel does not take (outputs not a multiple of 16) gets "dense".
     - "q8": 8-bit weights (GGUF Q8_0's form, as the embedded model keeps its lm_head) with int8
@@ -185,12 +185,12 @@ def accelerate(
     model: nn.Module, kernel: str, head_kernel: str, by_row: Callable[[PackedLinear], bool] | None = None
 ) -> FastForward:
     """Pack the model's linear layers (in place) and give it a FastForward, which every
-    consumer of the model (`core.cache.new_cache`, `core.step`) then uses.
+    consumer of the model (`core.backends.cache.new_cache`, `core.decode.step`) then uses.
 
     Decoder layers get `kernel` with q/k/v and gate/up fused into one matmul each; the lm_head
     gets `head_kernel` and keeps its `weight` (tied to the embedding), which Medusa heads read.
     `by_row(head)`: whether a tree's logits go a node at a time (default: timed here, now; the
-    loader passes `core.tune.kernels.head_by_row`, which remembers it)."""
+    loader passes `core.measure.kernels.head_by_row`, which remembers it)."""
     for layer in model.base_model.layers:
         pack_layer(layer, kernel)
     head = model.get_output_embeddings()
@@ -212,7 +212,7 @@ def row_head(model: nn.Module) -> bool:
 def _cost_grows_by_row(head: PackedLinear, rows: int = 8) -> bool:
     """Whether `rows` rows through the lm_head cost more than twice one row (a kernel that
     re-reads the weights per row, such as bf16 emulated without native bf16 arithmetic)."""
-    from core.tune.profile import time_ms  # core.tune builds on this module
+    from core.measure.profile import time_ms  # core.measure builds on this module
 
     x = torch.zeros(rows, head.in_features, dtype=torch.bfloat16 if head.kernel in QUANTIZED else head.packed.dtype)
     with torch.inference_mode():

@@ -31,7 +31,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
-from core import cache as kv
+from core.backends import cache as kv
 from core.errors import UserError
 from core.files import save_tensors
 

@@ -1,1 +1,0 @@
-"""Tuning: the choices measured on the user's machine at run time (kernels, dtype)."""
