@@ -22,11 +22,12 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import PreTrainedModel
 
+from core.backends.base import Backend
 from core.decode import precision
 from core.decode.generate import collect, stream
 from core.decode.settings import DecodeSettings
-from core.decode.step import Drafter
-from core.decode.tree import DRAFTERS
+from core.drafters.base import Drafter
+from core.drafters.registry import DRAFTERS
 from core.errors import UserError
 from core.measure.clock import now
 
@@ -91,7 +92,7 @@ def is_fixed(mode: str) -> bool:
 
 def run_once(
     mode: str,
-    model: PreTrainedModel,
+    backend: Backend,
     prompt_ids: list[int],
     settings: DecodeSettings,
     drafters: dict[str, Drafter],
@@ -102,16 +103,16 @@ def run_once(
 ) -> tuple[int, int, float, float, tuple[int, ...], int, int, float, int]:
     """(tokens, steps, seconds, seconds spent drafting, the reply, verify nodes, plain steps, seconds
     to the first token, prompt tokens) of one reply in one mode (verify nodes and plain steps 0
-    outside our loop). `stock`: the unmodified model for each transformers mode (default: `model`)."""
+    outside our loop). `stock`: the unmodified model for each transformers mode (default: `backend`'s)."""
     n = len(prompt_ids)
     if mode in PEERS:  # one token per forward
         reply, seconds, *first = (peers or {})[mode](prompt_ids, settings, eos_ids)
         return len(reply), len(reply), seconds, 0.0, reply, 0, 0, first[0] if first else 0.0, n
     if mode == "baseline" or mode in drafters:
-        generator = torch.Generator(model.device).manual_seed(seed)
+        generator = torch.Generator(backend.device).manual_seed(seed)
         events, done = collect(
             stream(
-                model,
+                backend,
                 prompt_ids,
                 settings,
                 drafters.get(mode),
@@ -125,7 +126,9 @@ def run_once(
         plain = sum(e.tree_size <= 1 for e in events[1:])
         first = done.first_token_seconds
         return len(done.token_ids), done.steps, done.seconds, drafting, done.token_ids, nodes, plain, first, n
-    reply, steps, seconds, first = _run_hf(mode, (stock or {}).get(mode, model), prompt_ids, settings, eos_ids, seed)
+    reply, steps, seconds, first = _run_hf(
+        mode, (stock or {}).get(mode, backend.model), prompt_ids, settings, eos_ids, seed
+    )
     return len(reply), steps, seconds, 0.0, reply, 0, 0, first, n
 
 
@@ -171,7 +174,7 @@ def _run_hf(
 def run_bench(
     prompts: list[list[int]],
     modes: tuple[str, ...],
-    model: PreTrainedModel,
+    backend: Backend,
     settings: DecodeSettings,
     drafters: dict[str, Drafter],
     eos_ids: tuple[int, ...],
@@ -183,11 +186,11 @@ def run_bench(
     """Warm every mode up, then run each prompt through every mode in turn."""
     warm = DecodeSettings(**{**asdict(settings), "max_new_tokens": 8})
     for mode in modes:
-        run_once(mode, model, prompts[0], warm, drafters, eos_ids, seed, peers, stock)
+        run_once(mode, backend, prompts[0], warm, drafters, eos_ids, seed, peers, stock)
     runs = []
     for i, ids in enumerate(prompts):
         for mode in modes:
-            run = Run(mode, i, *run_once(mode, model, ids, settings, drafters, eos_ids, seed + i, peers, stock))
+            run = Run(mode, i, *run_once(mode, backend, ids, settings, drafters, eos_ids, seed + i, peers, stock))
             progress(run)
             runs.append(run)
     return runs

@@ -11,10 +11,17 @@ from dataclasses import asdict, dataclass, fields
 
 from app.engine import ReplyRequest
 from core.decode.settings import ACCEPTANCE_RULES, MODES, DecodeSettings
+from core.drafters.registry import KINDS
 
 _DEFAULT = DecodeSettings()
 DECODING = {"Medusa": MODES[0], "Plain": MODES[1]}  # label → engine mode
 ACCEPTANCE = [rule.capitalize() for rule in ACCEPTANCE_RULES]  # the labels: "Lossless", "Typical"
+MENU_FIRST = "hybrid"  # the drafter listed first after the tree's own: every source in one tree
+# the drafter menu's (label, kind): the tree's own, then every kind of the registry
+DRAFTER_MENU = [
+    ("The tree's own", ""),
+    *sorted(((k.label, k.name) for k in KINDS.values()), key=lambda choice: choice[1] != MENU_FIRST),
+]
 
 
 @dataclass(frozen=True)
@@ -28,7 +35,7 @@ class Controls:
     top_p: float = _DEFAULT.top_p
     max_new_tokens: int = _DEFAULT.max_new_tokens
     tree: str = ""  # "" (auto), MODEL_TREE or a preset name
-    drafter: str = ""  # "" (the tree's own) or one of core.decode.tree.DRAFTERS
+    drafter: str = ""  # "" (the tree's own) or one of core.drafters.registry.DRAFTERS
     colors: bool = True  # color each step's tokens in the chat
 
     @classmethod

@@ -25,32 +25,22 @@ from dataclasses import dataclass, field
 
 import torch
 
+from app.drafting import EVERYTHING, load_parts
 from app.history import Fitted, fit_history
 from app.worker import ComputeThread
-from core.backends import lean as fast
 from core.backends.cache import Kept
 from core.decode.generate import Finished, StepEvent, context_length, stream
 from core.decode.precision import EXACT, compute_dtype, exactness, quantization
 from core.decode.settings import MODES, DecodeSettings
-from core.decode.step import Drafter
-from core.decode.tree import AUTO, DRAFTERS, Preset, load_preset, preset_names
-from core.drafters.auto import auto_drafter
+from core.decode.tree import AUTO, Preset, load_preset, preset_names
+from core.drafters import registry
+from core.drafters.base import Drafter
+from core.drafters.build import auto_drafter, make_drafter
 from core.drafters.eagle import EagleDraft
-from core.drafters.fixed import make_drafter
 from core.drafters.retrieval import Corpus
 from core.errors import UserError
 from core.measure.costs import StepCosts
-from models.loader import (
-    Backbone,
-    corpus_for,
-    eagle_for,
-    heads_for,
-    load_backbone,
-    resolve,
-    resolve_eagle,
-    resolve_heads,
-    step_costs,
-)
+from models.loader import Backbone, load_backbone, resolve, resolve_eagle, resolve_heads, step_costs
 
 LEARN_BATCH = 100  # saved replies tokenized per compute job
 log = logging.getLogger("medusa-chat")
@@ -69,7 +59,7 @@ class ReplyRequest:
     system: str = ""  # the system prompt ("" for none)
     mode: str = "medusa"  # one of MODES: tree decoding, or the plain one-token loop
     tree: str = AUTO  # AUTO (the policy chooses each step's tree), MODEL_TREE or a preset name
-    drafter: str = ""  # one of DRAFTERS, or "" for the one the tree was calibrated with
+    drafter: str = ""  # one of registry.DRAFTERS, or "" for the one the tree was calibrated with
     seed: int | None = None  # for sampling; None: a fresh seed from the OS
 
 
@@ -143,15 +133,10 @@ class Engine:
         def build() -> Loaded:
             self.kept.clear()  # the old model's cache: no use to another, and its memory is wanted now
             backbone = load_backbone(model, spec=spec, **self.options)
-            heads, trained = heads_for(backbone, heads_dir)
+            parts = load_parts(backbone, EVERYTHING, heads_dir, eagle_path)  # a layer that does not fit: EAGLE is off
             default = spec.tree if spec.tree in preset_names() else "cpu-16"
-            try:
-                eagle = eagle_for(backbone, eagle_path)
-            except UserError as e:  # a drafter that does not fit costs the EAGLE drafter, not the model
-                print(f"{e} The EAGLE drafter is off.", file=sys.stderr)
-                eagle = None
-            costs = step_costs(backbone, heads)
-            return Loaded(backbone, heads, trained, default, costs, corpus_for(backbone), eagle)
+            costs = step_costs(backbone, parts.heads)
+            return Loaded(backbone, parts.heads, parts.trained, default, costs, parts.corpus, parts.eagle)
 
         loaded = self.compute.call(build)
         self.loaded, self.model_id, self.error = loaded, model, None
@@ -190,9 +175,9 @@ class Engine:
         heads += " · EAGLE drafter" if self.loaded.eagle is not None else ""
         dtype = str(b.model.dtype).removeprefix("torch.")
         # a tree's many-row verify forward may round unlike a one-row step (bf16, 4-bit kernels, GPUs)
-        promise = exactness(b.model)
+        promise = exactness(b.backend)
         exact = "" if promise == EXACT else f" · lossless is {promise}"
-        precision = f"4-bit weights, {dtype}" if fast.layer_kernel(b.model) in ("int4", "q4") else dtype
+        precision = f"4-bit weights, {dtype}" if b.backend.layer_kernel in ("int4", "q4") else dtype
         if quant := quantization(b.model):  # bitsandbytes' layers compute in its own dtype, whatever --dtype said
             precision = f"{quant} weights, {str(compute_dtype(b.model)).removeprefix('torch.')}"
         return f"**Ready:** {self.model_id} · {precision} on {b.model.device.type} · {heads}{exact}"
@@ -242,8 +227,8 @@ class Engine:
         no model yet) raise a UserError here, before anything is queued."""
         if request.mode not in MODES:
             raise UserError(f"The mode must be {' or '.join(MODES)}, got '{request.mode}'.")
-        if request.drafter and request.drafter not in DRAFTERS:
-            raise UserError(f"Unknown drafter '{request.drafter}'; choose one of {', '.join(DRAFTERS)}.")
+        if request.drafter:
+            registry.kind(request.drafter)  # an unknown one is refused here
         fitted = self.prepare(request.messages, request.system, request.settings)
         tree, kind, depth, drafter = None, None, 0, None
         if request.mode == "medusa":
@@ -251,7 +236,7 @@ class Engine:
             preset, drafter = self.drafter(tree, request.drafter or None)
             kind = request.drafter or preset.drafter
             heads = self.require().heads.num_heads if tree == AUTO else preset.tree.max_depth
-            depth = max(heads if kind != "lookup" else 0, preset.lookup_length if kind != "medusa" else 0)
+            depth = registry.kind(kind).reach(heads, preset.lookup_length)
         events = self.generate(fitted.ids, request.settings, drafter, should_stop, request.seed)
         return Reply(fitted.ids, fitted.note, fitted.dropped, tree, kind, depth, events)
 
@@ -287,7 +272,7 @@ class Engine:
 
         def run() -> Iterator[StepEvent | Finished]:
             events = stream(
-                b.model, prompt_ids, settings, drafter, b.tokenizer, b.eos_ids, generator, stopped, self.kept
+                b.backend, prompt_ids, settings, drafter, b.tokenizer, b.eos_ids, generator, stopped, self.kept
             )
             for event in events:
                 if isinstance(event, Finished) and corpus is not None and event.finish_reason != "cancelled":

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from app.engine import ReplyRequest
 from core.decode.settings import ACCEPTANCE_RULES, MODES, DecodeSettings
-from core.decode.tree import DRAFTERS
+from core.drafters.registry import DRAFTERS
 from core.errors import UserError
 
 SYSTEM_ROLES = ("system", "developer")  # joined into the system prompt

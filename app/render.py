@@ -1,4 +1,4 @@
-"""Replies and stats as HTML: every decoding step's text in an element with `data-step`.
+"""Replies as HTML: every decoding step's text in an element with `data-step`.
 
 The reply is parsed as Markdown once, with an invisible marker character at each step
 boundary (positions come from the step events, i.e. from token ids, never from searching the
@@ -23,7 +23,6 @@ strip `data-step`, is turned off.
 
 from __future__ import annotations
 
-import html
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -309,7 +308,7 @@ def _link_tail(text: str, pos: int) -> int | None:
     return pos + 1 if pos < len(text) and text[pos] == ")" else None
 
 
-# ---- stats and trees ----
+# ---- what a step's colors say ----
 
 
 def step_source(sources: tuple[str, ...]) -> str:
@@ -337,99 +336,3 @@ LEGEND = (
     '<span class="st c1 src-eagle">wavy underline</span> = drafted by the EAGLE layer. '
     "Hover a run for its step.</div>"
 )
-
-
-def _count(value: Any) -> int:
-    """A count from a chat file: 0 unless it is a number."""
-    return int(value) if isinstance(value, (int, float)) and value == value and abs(value) != float("inf") else 0
-
-
-def source_shares(stats: dict) -> list[tuple[str, str]]:
-    """Rows giving the share of the reply's tokens by origin (when drafts were accepted)."""
-    counts = stats.get("sources")
-    counts = {str(k): _count(n) for k, n in counts.items()} if isinstance(counts, dict) else {}
-    total = _count(stats.get("tokens"))
-    if not total or not any(counts.values()):
-        return []
-    own = total - sum(counts.values())
-    rows = [("model's own tokens", own)] + [(f"drafted: {SOURCE_LABEL[k]}", counts.get(k, 0)) for k in SOURCE_LABEL]
-    rows += [(f"drafted: {html.escape(k)}", n) for k, n in counts.items() if k not in SOURCE_LABEL]
-    return [(label, f"{n} ({100 * n / total:.0f}%)") for label, n in rows]
-
-
-_STAT_ROWS = (  # key in the stats, its label, how a number is shown
-    ("tokens", "tokens", "{}".format),
-    ("steps", "steps", "{}".format),
-    ("tokens_per_step", "tokens / step", "{:.2f}".format),
-    ("tokens_per_second", "tokens / s", "{:.1f}".format),
-    ("first_token_seconds", "first token", lambda s: f"{1000 * s:.0f} ms"),
-    ("prompt_read", "prompt tokens read", "{}".format),
-    ("prompt_reused", "prompt tokens reused", "{}".format),
-    ("finish_reason", "finished by", str),
-    ("drafter", "drafter", str),
-)
-
-
-def _stat(value: Any, number: Any) -> str:
-    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return number(value) if is_number else html.escape(str(value))
-
-
-def stats_html(stats: dict, accepted: list[int], depth_rates: list[float]) -> str:
-    """Numbers of one reply (those it has), a histogram of accepted drafts per step,
-    acceptance per depth."""
-    if not stats or not isinstance(stats, dict):
-        return '<div class="medusa-stats">No reply yet.</div>'
-    rows = [(label, _stat(stats[k], number)) for k, label, number in _STAT_ROWS if stats.get(k) not in (None, "")]
-    table = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in rows + source_shares(stats))
-    counts = [accepted.count(k) for k in range(max(accepted, default=0) + 1)]
-    top = max(counts, default=1) or 1
-    bars = "".join(
-        f'<div class="bar"><span class="label">{k}</span>'
-        f'<span class="fill" style="width:{100 * n / top:.0f}%"></span><span class="n">{n}</span></div>'
-        for k, n in enumerate(counts)
-    )
-    depths = "".join(
-        f'<div class="bar"><span class="label">{d + 1}</span>'
-        f'<span class="fill depth" style="width:{100 * r:.0f}%"></span><span class="n">{100 * r:.0f}%</span></div>'
-        for d, r in enumerate(depth_rates)
-    )
-    return (
-        f'<div class="medusa-stats"><table>{table}</table>'
-        f"<h4>Drafted tokens accepted per step</h4>{bars}"
-        f"<h4>Acceptance rate by tree depth</h4>{depths or '<p>No drafts.</p>'}</div>"
-    )
-
-
-def depth_rates(accepted: list[int], max_depth: int) -> list[float]:
-    """Share of steps (after the prefill) that accepted at least d drafted tokens, d = 1…max_depth."""
-    decode = accepted[1:]
-    if not decode:
-        return []
-    return [sum(a >= d for a in decode) / len(decode) for d in range(1, max_depth + 1)]
-
-
-def tree_html(
-    parents: tuple[int, ...], tokens: list[str], accepted_path: tuple[int, ...], sources: tuple[str, ...] = ()
-) -> str:
-    """The candidate tree of one step as nested lists; the accepted path highlighted.
-
-    tokens[i] is the text of node i (node 0 the root, its own parent); sources[i] says where
-    node i came from ("heads", "context", "both", "retrieval", "eagle")."""
-    children: dict[int, list[int]] = {}
-    for i in range(1, len(parents)):
-        children.setdefault(parents[i], []).append(i)
-    on_path = set(accepted_path)
-    tag = {"heads": "", "context": "ctx", "both": "both", "retrieval": "past", "eagle": "eagle"}
-
-    def node(i: int) -> str:
-        cls = "node accepted" if i in on_path else "node"
-        kind = sources[i] if i < len(sources) else ("root" if i == 0 else "heads")
-        kind = kind if kind in (*tag, "root") else "heads"
-        note = "root" if i == 0 else tag.get(kind, "")
-        small = f"<small>{note}</small> " if note else ""
-        label = f'<span class="{cls} src-{kind}">{small}{html.escape(repr(tokens[i]))}</span>'
-        kids = "".join(node(c) for c in children.get(i, []))
-        return f"<li>{label}{f'<ul>{kids}</ul>' if kids else ''}</li>"
-
-    return f'<div class="medusa-tree"><ul>{node(0)}</ul></div>'

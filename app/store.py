@@ -1,8 +1,6 @@
-"""Chats and settings on disk: one JSON file per chat, written atomically after every turn.
-
-A write goes to a temporary file in the same folder, is flushed to disk, then renamed over
-the old one (and the folder is flushed too), so a crash or a kill leaves either the previous
-or the new version, never half a file; temporary files a kill leaves behind are removed later.
+"""Chats and settings on disk: one JSON file per chat, written atomically after every turn
+(`app.atomic`: a crash or a kill leaves the previous or the new version, never half a file);
+temporary files a kill leaves behind are removed later.
 
 Chat ids become file names, so every function taking an id checks it against `ID` first. A
 chat file is read only as a regular file in the chats folder (a symbolic link is not followed)
@@ -24,7 +22,6 @@ import json
 import logging
 import os
 import stat
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -32,6 +29,7 @@ from pathlib import Path
 
 import platformdirs
 
+from app.atomic import write_atomic
 from app.chat import ID, Chat, ChatFileError, chat_from_dict, clean_text, is_count, is_number, is_text, shown
 from app.chat import Turn as Turn  # the UI and older callers name chats' parts through this module
 from core.errors import UserError
@@ -179,38 +177,6 @@ def _chat_files(problems: list[str] | None) -> Iterator[tuple[Path, os.stat_resu
 
 
 # -- files ------------------------------------------------------------------------------------
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make a rename in folder durable; skipped where a folder cannot be opened (Windows)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems refuse fsync on a folder; the rename itself has happened
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, text: str | bytes, durable: bool = True) -> None:
-    """`durable` False: not flushed to disk (a cache, rebuilt if a power cut damages it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") if isinstance(text, bytes) else os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            if durable:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    if durable:
-        _fsync_dir(path.parent)
 
 
 def remove_stale_temp_files() -> None:

@@ -7,7 +7,6 @@ how much memory it will take; `heads_for` finds the heads to draft with.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
 from dataclasses import dataclass
@@ -17,18 +16,20 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from core.backends import lean as fast
-from core.backends import q4
+from core.backends import lean, q4
+from core.backends.base import Backend
+from core.backends.torch import TorchBackend
 from core.drafters.eagle import EagleDraft, load_draft
 from core.drafters.retrieval import Corpus, load_corpus
 from core.errors import UserError
 from core.measure import costs, kernels
 from models import catalog, hub
-from models.choices import DTYPE_NAMES, QUANTIZATIONS
+from models.choices import DTYPE_NAMES
 from models.cpu import transpose_linears
 from models.eagle_formats import EAGLE_FILES, load_published
 from models.embedded import EMBEDDED_ID, cache_dir, embedded_dir
 from models.heads import MedusaHeads, load_heads
+from models.quantization import bnb_config, pick_quantization
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 BACKBONE_FILES = ["*.json", "*.safetensors", "*.bin", "tokenizer.model", "*.txt"]
@@ -56,6 +57,11 @@ class Backbone:
     eos_ids: tuple[int, ...]  # tokens that end a reply
     chat_template: str | None = None
     folder: Path | None = None  # where the weights were loaded from
+    backend: Backend | None = None  # the model's forward and cache (None: transformers' own over `model`)
+
+    def __post_init__(self) -> None:
+        if self.backend is None and self.model is not None:
+            object.__setattr__(self, "backend", TorchBackend(self.model))
 
     @property
     def pad_id(self) -> int:
@@ -208,13 +214,13 @@ def load_backbone(
         config = AutoConfig.from_pretrained(spec.folder)
     except (OSError, ValueError) as e:
         raise UserError(f"The model in {spec.folder} has an unreadable config.json ({e}).") from e
-    quant = _pick_quantization(quantization, dev, config, four_bit=spec.name == EMBEDDED_ID and dtype == "auto")
+    quant = pick_quantization(quantization, dev, config, four_bit=spec.name == EMBEDDED_ID and dtype == "auto")
     if dtype != "auto":
         pick_dtype(dtype, dev)  # an unknown name is refused before anything loads
     choice = None
     if dev.type == "cpu" and quant == "int4":
         q4.prepare()  # its kernel compiles (first launch) or loads while the weights load
-    if dev.type == "cpu" and quant in ("none", "int4") and fast.servable(config):
+    if dev.type == "cpu" and quant in ("none", "int4") and lean.servable(config):
         choice = cpu_choice(config.get_text_config(), None if dtype == "auto" else dtype, quant == "int4")
         if quant == "int4" and dtype not in ("auto", choice.dtype):
             print(f"note: int4 runs with {choice.dtype} activations; --dtype {dtype} is not used.", file=sys.stderr)
@@ -225,7 +231,7 @@ def load_backbone(
         torch_dtype = pick_dtype(dtype, dev, config.get_text_config())
     options = {"dtype": torch_dtype}
     if quant in ("nf4", "int8"):
-        options["quantization_config"] = _bnb_config(quant, torch_dtype, dev)
+        options["quantization_config"] = bnb_config(quant, torch_dtype, dev)
     if quant in ("nf4", "int8", "pre-quantized"):
         options["device_map"] = device_map(dev)
     if quant != "pre-quantized":
@@ -245,12 +251,14 @@ def load_backbone(
     except (OSError, ValueError, ImportError) as e:
         raise UserError(f"Could not load the model in {spec.folder} ({e}).") from e
     _check_attention(model)
+    backend = None  # transformers' own forward
     if choice is not None:  # the lean forward with the kernels measured on this machine
         record = cache_dir() / "cpu-kernels.json"  # the lm_head's by-node choice is remembered with the kernels'
-        fast.accelerate(model, choice.kernel, choice.head_kernel, lambda head: kernels.head_by_row(head, record))
+        backend = lean.accelerate(model, choice.kernel, choice.head_kernel, lambda h: kernels.head_by_row(h, record))
     elif model.device.type == "cpu" and model.dtype == torch.float32 and quant == "none":
         transpose_linears(model)  # bf16 is the other way round: transposed weights are far slower
-    return Backbone(spec.name, model, tokenizer, _eos_ids(model, tokenizer), spec.chat_template, spec.folder)
+    eos = _eos_ids(model, tokenizer)
+    return Backbone(spec.name, model, tokenizer, eos, spec.chat_template, spec.folder, backend)
 
 
 def load_stock(backbone: Backbone, dtype: torch.dtype, same_quantization: bool = False) -> PreTrainedModel:
@@ -267,51 +275,6 @@ def load_stock(backbone: Backbone, dtype: torch.dtype, same_quantization: bool =
         return model.eval()
     model = AutoModelForCausalLM.from_pretrained(backbone.folder, dtype=dtype)
     return model.to(device).eval()
-
-
-def _pick_quantization(name: str, device: torch.device, config: object, four_bit: bool = False) -> str:
-    """`auto`: nf4 on a GPU; on a CPU int4 for a model whose weights are 4-bit to begin with (the
-    embedded GGUF's Q4_1 blocks, which int4 keeps as they are) where the int4 kernel runs and no
-    dtype was asked for, else the model's own precision."""
-    if name not in QUANTIZATIONS:
-        raise UserError(f"Unknown quantization '{name}'; choose one of {', '.join(QUANTIZATIONS)}.")
-    if getattr(config, "quantization_config", None):
-        return "pre-quantized"  # the repo is already quantized (bitsandbytes and the like)
-    if name == "auto":
-        if device.type == "cuda":
-            return "nf4"
-        return "int4" if four_bit and fast.servable(config) and fast.kernel_works("int4", torch.bfloat16) else "none"
-    if name == "int4" and device.type != "cpu":
-        raise UserError("--quantization int4 is for the CPU; on a GPU use nf4.")
-    if name in ("nf4", "int8") and device.type == "cpu":
-        print(
-            f"warning: {name} on the CPU uses bitsandbytes' approximate kernel: tree and plain decoding may "
-            "differ slightly; use --quantization none for exact results.",
-            file=sys.stderr,
-        )
-    return name
-
-
-def _bnb_config(quant: str, dtype: torch.dtype, device: torch.device | None = None):
-    try:
-        import bitsandbytes
-        from transformers import BitsAndBytesConfig
-    except ImportError as e:
-        raise UserError("4-bit and 8-bit loading need bitsandbytes; run `pip install bitsandbytes`.") from e
-    if device is not None and device.type == "cpu" and importlib.util.find_spec("bitsandbytes.backends.cpu") is None:
-        raise UserError(
-            f"bitsandbytes {bitsandbytes.__version__} runs {quant} on CUDA only; on the CPU use --quantization int4 "
-            "(Llama-family models) or none, or update bitsandbytes."
-        )
-    if quant == "int8":
-        return BitsAndBytesConfig(load_in_8bit=True)
-    compute = dtype if dtype != torch.float32 else torch.bfloat16
-    return BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=compute,
-    )
 
 
 def _check_attention(model: PreTrainedModel) -> None:
@@ -391,7 +354,7 @@ def heads_for(backbone: Backbone, heads_dir: str | Path | None, num_heads: int =
         vocab, hidden = lm_head.weight.shape
         heads = MedusaHeads(hidden, vocab, num_heads, 1, lm_head)
         heads, trained = heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype).eval(), False
-    if fast.forward_of(backbone.model) is not None:  # the lean CPU forward: draft with this CPU's fastest kernel
+    if backbone.backend.layer_kernel is not None:  # the lean CPU forward: draft with this CPU's fastest kernel
         width = heads.vocab_size if heads.token_ids is None else len(heads.token_ids)
         dtype, kernel = kernels.drafting(width, heads.hidden_size, heads.num_heads, cache_dir() / "cpu-kernels.json")
         heads.pack(kernel, kernels.DTYPES[dtype])
@@ -401,6 +364,5 @@ def heads_for(backbone: Backbone, heads_dir: str | Path | None, num_heads: int =
 def step_costs(backbone: Backbone, heads: MedusaHeads | None) -> costs.StepCosts:
     """This machine's step-cost curve for the loaded model, remembered from an earlier launch
     (`needed` if not: the caller measures it when the model is idle)."""
-    model = backbone.model
-    key = costs.curve_key(model, fast.describe(model), heads.drafting if heads is not None else None)
-    return costs.StepCosts(model, heads, costs.CurveStore(cache_dir() / "step-costs"), key)
+    key = costs.curve_key(backbone.backend, heads.drafting if heads is not None else None)
+    return costs.StepCosts(backbone.backend, heads, costs.CurveStore(cache_dir() / "step-costs"), key)

@@ -13,10 +13,12 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from core.backends import lean as fast
 from core.backends import q4
+from core.backends.base import Backend
+from core.backends.torch import TorchBackend
 from core.decode.generate import collect, stream
 from core.decode.settings import DecodeSettings
-from core.decode.step import Draft
 from core.decode.tree import TreeBuffers
+from core.drafters.base import Draft, Drafter
 
 BASE_ARCHS = ("llama", "qwen2")
 
@@ -45,17 +47,23 @@ FAST_KERNELS = tuple(k for k in ("dense", "onednn") if fast.kernel_works(k, torc
 ARCHS = (*BASE_ARCHS, *(f"{a}+{k}" for a in BASE_ARCHS for k in FAST_KERNELS))
 
 
-def tiny_model(arch: str = "llama", vocab: int = 96, seed: int = 0):
-    """A random model of `arch`; "llama+onednn" and the like: accelerated by core.backends.lean with that
-    kernel ("+int4" and "+q4" run in bf16)."""
+def tiny_backend(arch: str = "llama", vocab: int = 96, seed: int = 0) -> Backend:
+    """A random model of `arch` behind its backend: transformers' (`TorchBackend`); "llama+onednn"
+    and the like: the lean backend `core.backends.lean.accelerate` returns for that kernel ("+int4"
+    and "+q4" run in bf16)."""
     arch, _, kernel = arch.partition("+")
     model = _tiny(arch, vocab, seed)
-    if kernel:
-        four_bit = kernel in ("int4", "q4")
-        if four_bit:
-            model = model.to(torch.bfloat16)
-        fast.accelerate(model, kernel, "dense" if four_bit else kernel)
-    return model
+    if not kernel:
+        return TorchBackend(model)
+    four_bit = kernel in ("int4", "q4")
+    if four_bit:
+        model = model.to(torch.bfloat16)
+    return fast.accelerate(model, kernel, "dense" if four_bit else kernel)
+
+
+def tiny_model(arch: str = "llama", vocab: int = 96, seed: int = 0):
+    """The model of `tiny_backend(arch, vocab, seed)` (packed in place for "arch+kernel")."""
+    return tiny_backend(arch, vocab, seed).model
 
 
 def _tiny(arch: str, vocab: int, seed: int):
@@ -77,13 +85,15 @@ def _tiny(arch: str, vocab: int, seed: int):
     raise ValueError(arch)
 
 
-def plain_tokens(model, prompt: list[int], n: int, settings: DecodeSettings | None = None, generator=None) -> list[int]:
+def plain_tokens(
+    backend: Backend, prompt: list[int], n: int, settings: DecodeSettings | None = None, generator=None
+) -> list[int]:
     settings = settings or DecodeSettings(max_new_tokens=n)
-    _, done = collect(stream(model, prompt, settings, None, generator=generator))
+    _, done = collect(stream(backend, prompt, settings, None, generator=generator))
     return list(done.token_ids)
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Knows the true continuation and places it along the path to a random node of the tree.
 
     Greedy decoding must then accept exactly that path: every length, through any branch, so
@@ -138,7 +148,7 @@ def exact_three_tokens(model, prompt: list[int], vocab: int) -> dict[tuple[int, 
 
 
 def three_token_p_value(
-    model, prompt: list[int], vocab: int, drafter, seed: int = 11, n: int = 3000,
+    backend: Backend, prompt: list[int], vocab: int, drafter, seed: int = 11, n: int = 3000,
     on_events: Callable[[list], None] = lambda events: None,
 ) -> float:  # fmt: skip
     """Chi-square p-value of `n` three-token replies sampled at temperature 1 with `drafter`
@@ -151,7 +161,7 @@ def three_token_p_value(
         Counter(),
     )
     for _ in range(n):
-        events, done = collect(stream(model, prompt, settings, drafter, generator=gen))
+        events, done = collect(stream(backend, prompt, settings, drafter, generator=gen))
         counts[done.token_ids] += 1
         on_events(events)
-    return chi_square_p_value(counts, exact_three_tokens(model, prompt, vocab), n)
+    return chi_square_p_value(counts, exact_three_tokens(backend.model, prompt, vocab), n)

@@ -27,7 +27,7 @@ from fastapi.testclient import TestClient
 from app import api
 from app.engine import Engine
 from core.decode.generate import Finished
-from core.decode.tree import DRAFTERS
+from core.drafters.registry import DRAFTERS
 from models.embedded import EMBEDDED_ID
 
 SYSTEM = "You answer in one short line."

@@ -37,7 +37,7 @@ def test_summary_compares_every_mode_with_the_plain_loop():
 def test_a_peer_engine_runs_through_the_bench_with_one_token_per_step():
     from app.bench import run_bench
     from core.decode.settings import DecodeSettings
-    from tests.helpers import tiny_model
+    from tests.helpers import tiny_backend
 
     asked = []
 
@@ -46,7 +46,7 @@ def test_a_peer_engine_runs_through_the_bench_with_one_token_per_step():
         return (5, 6, 7), 0.25
 
     prompts = [[1, 2, 3], [4, 5]]
-    runs = run_bench(prompts, ("baseline", "llamacpp"), tiny_model(), DecodeSettings(max_new_tokens=3), {}, (), 0,
+    runs = run_bench(prompts, ("baseline", "llamacpp"), tiny_backend(), DecodeSettings(max_new_tokens=3), {}, (), 0,
                      peers={"llamacpp": peer})  # fmt: skip
     mine = [r for r in runs if r.mode == "llamacpp"]
     assert [(r.tokens, r.steps, r.seconds, r.token_ids) for r in mine] == [(3, 3, 0.25, (5, 6, 7))] * 2
@@ -72,12 +72,12 @@ def test_rows_by_context_length_time_the_first_token_and_the_decode_after_it():
 def test_the_bench_times_each_replys_first_token_in_every_kind_of_mode():
     from app.bench import run_bench
     from core.decode.settings import DecodeSettings
-    from tests.helpers import tiny_model
+    from tests.helpers import tiny_backend
 
     def peer(prompt_ids, settings, eos_ids):
         return (5, 6, 7), 0.25, 0.05
 
-    runs = run_bench([[1, 2, 3, 4]], ("baseline", "hf", "llamacpp"), tiny_model(), DecodeSettings(max_new_tokens=3),
+    runs = run_bench([[1, 2, 3, 4]], ("baseline", "hf", "llamacpp"), tiny_backend(), DecodeSettings(max_new_tokens=3),
                      {}, (), 0, peers={"llamacpp": peer})  # fmt: skip
     assert all(r.prompt_tokens == 4 and 0 < r.first_token_seconds < r.seconds for r in runs)
     assert [r.first_token_seconds for r in runs if r.mode == "llamacpp"] == [0.05]

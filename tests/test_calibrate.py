@@ -7,7 +7,7 @@ from core.decode.settings import DecodeSettings
 from core.decode.tree import build_tree, load_tree
 from core.drafters.fixed import LookupDrafter, MedusaDrafter
 from core.train import calibrate as cal
-from tests.helpers import plain_tokens, tiny_model
+from tests.helpers import plain_tokens, tiny_backend
 from tests.test_engine import PROMPT, random_heads
 
 
@@ -40,9 +40,10 @@ def test_greedy_tree_is_optimal_for_small_budgets():
 
 
 def test_replay_predicts_the_steps_of_real_greedy_decoding():
-    model = tiny_model("llama")
+    backend = tiny_backend("llama")
+    model = backend.model
     n = 48
-    reply = plain_tokens(model, PROMPT, n)
+    reply = plain_tokens(backend, PROMPT, n)
     heads = random_heads(model)
     ids = PROMPT + reply
     r = cal.reply_positions(ids, len(PROMPT), *cal.head_candidates(model, heads, ids, len(PROMPT), 10))
@@ -52,7 +53,7 @@ def test_replay_predicts_the_steps_of_real_greedy_decoding():
         predicted = cal.replay([r], [cal.medusa_accepts(r, paths)], [look], len(paths) + 1)
         medusa = MedusaDrafter(heads, build_tree(paths))
         drafter = LookupDrafter(medusa, branches, length) if branches else medusa
-        events, done = collect(stream(model, PROMPT, DecodeSettings(max_new_tokens=n), drafter))
+        events, done = collect(stream(backend, PROMPT, DecodeSettings(max_new_tokens=n), drafter))
         assert list(done.token_ids) == reply
         assert predicted.tokens_per_step == done.tokens_per_step
         sizes = [e.tree_size for e in events[1:]]

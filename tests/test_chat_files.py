@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from app import store, ui
+from app import store, ui, ui_session
 from app.controls import DEFAULTS, NAMES
 from app.engine import Engine, Reply
 from core.decode.generate import Finished, StepEvent
@@ -77,7 +77,7 @@ def test_a_file_name_that_is_not_utf8_is_named_in_valid_unicode(home):
     with open(os.path.join(os.fsencode(store.chats_dir()), b"\xff.json"), "wb") as f:
         f.write(b"{}")
     message = "A damaged chat file was set aside as \\udcff.corrupt."
-    assert ui._chat_choices() == ([], [message]) and message.encode("utf-8")
+    assert ui_session.chat_choices() == ([], [message]) and message.encode("utf-8")
 
 
 def test_the_app_starts_with_a_lone_surrogate_title(home):
@@ -178,7 +178,7 @@ def test_a_page_load_reads_no_chat_file(home, reads):
     chats = saved_chats(5)
     big = store.Chat(OTHER, "Big", 1.0, turns=[store.Turn("hi", "y" * 5_000_000, [], {}, True)])
     store.save_chat(big)
-    choices, problems = ui._chat_choices()  # what the page load and every chat-list update call
+    choices, problems = ui_session.chat_choices()  # what the page load and every chat-list update call
     assert reads == [] and problems == []
     assert choices == [(c.title, c.id) for c in reversed(chats)] + [("Big", OTHER)]
 
@@ -188,13 +188,13 @@ def test_the_chat_list_does_not_open_a_chat_the_index_knows(home):
     nothing but a test does), is listed as indexed: proof that listing does not open it.
     Old: every listing read it (and here set it aside)."""
     chats = saved_chats(2)
-    assert ui._chat_choices() == ([("Chat 1", chats[1].id), ("Chat 0", chats[0].id)], [])
+    assert ui_session.chat_choices() == ([("Chat 1", chats[1].id), ("Chat 0", chats[0].id)], [])
     file = store.chat_path(chats[0].id)
     st = file.stat()
     with open(file, "r+b") as f:
         f.write(b"#" * st.st_size)
     os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert ui._chat_choices() == ([("Chat 1", chats[1].id), ("Chat 0", chats[0].id)], [])
+    assert ui_session.chat_choices() == ([("Chat 1", chats[1].id), ("Chat 0", chats[0].id)], [])
 
 
 def test_the_index_heals_itself(home, reads):
@@ -229,7 +229,7 @@ def test_past_replies_are_read_one_chat_at_a_time_and_damage_is_left_for_the_cha
     write(f"{OTHER}.json", chat_json(OTHER, assistant='"kept reply"'))
     write(f"{ID}.json", "{not json")
     assert store.saved_replies() == ["kept reply"]
-    assert ui._chat_choices()[1] == [f"A damaged chat file was set aside as {ID}.corrupt."]
+    assert ui_session.chat_choices()[1] == [f"A damaged chat file was set aside as {ID}.corrupt."]
 
 
 # -- the user's message saved before its reply ------------------------------------------------------
@@ -267,4 +267,4 @@ def test_a_kill_during_the_reply_loses_none_of_the_users_message(home, message, 
     assert [[t.user for t in c.turns] for c in engine.on_disk] == [[saved]]  # before the first step
     chats, problems = store.list_chats()
     assert problems == [] and chats[0].turns == [store.Turn(saved)] and chats[0].title == saved.splitlines()[0]
-    assert ui._chat_choices() == ([(saved.splitlines()[0], chats[0].id)], [])
+    assert ui_session.chat_choices() == ([(saved.splitlines()[0], chats[0].id)], [])

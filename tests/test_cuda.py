@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from app.bench import first_difference
-from core.backends import lean as fast
+from core.backends.torch import TorchBackend
 from core.decode import precision
 from core.decode.generate import Finished
 from core.decode.settings import DecodeSettings
-from core.decode.tree import AUTO, DRAFTERS
+from core.decode.tree import AUTO
 from core.drafters.eagle import EagleDraft, init_from_backbone
+from core.drafters.registry import DRAFTERS
 from models.heads import MedusaHeads
 from tests.test_devices import every_pair
 from tests.tiny_folder import save_tiny_model
@@ -55,7 +56,7 @@ def engine_for(spec, past, device: str = "cuda", dtype: str = "bfloat16", quanti
         torch.nn.init.normal_(p, std=0.3)
     heads = heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype).eval()
     eagle = EagleDraft(model, torch.arange(model.config.vocab_size))
-    if fast.forward_of(model) is None and precision.quantization(model) is None:  # plain transformers layers
+    if backbone.backend.layer_kernel is None and precision.quantization(model) is None:  # transformers' layers
         init_from_backbone(eagle, model)  # the layer starts as the backbone's last
     eagle = eagle.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype).eval()
     engine = Engine(spec.name)
@@ -136,8 +137,9 @@ def test_lossless_sampling_keeps_the_distribution_on_cuda():
     """Three-token replies sampled with each drafter against the model's exact distribution."""
     from core.decode.generate import collect, stream
     from core.decode.tree import build_tree
+    from core.drafters.build import make_drafter
     from core.drafters.eagle_tree import eagle_drafter
-    from core.drafters.fixed import MedusaDrafter, make_drafter
+    from core.drafters.fixed import MedusaDrafter
     from tests.helpers import exact_three_tokens, tiny_model
     from tests.stats import chi_square_p_value
 
@@ -159,7 +161,8 @@ def test_lossless_sampling_keeps_the_distribution_on_cuda():
     settings = DecodeSettings(temperature=1.0, max_new_tokens=3)
     for kind, drafter in drafters.items():
         generator = torch.Generator("cuda").manual_seed(11)
-        replies = (collect(stream(model, prompt, settings, drafter, generator=generator))[1] for _ in range(n))
+        backend = TorchBackend(model)
+        replies = (collect(stream(backend, prompt, settings, drafter, generator=generator))[1] for _ in range(n))
         counts = Counter(done.token_ids for done in replies)
         assert chi_square_p_value(counts, exact, n) > 1e-3, kind
 

@@ -14,13 +14,15 @@ import pytest
 import torch
 from torch import Tensor
 
-from core.backends import cache as kv
+from core.backends.torch import TorchBackend
 from core.decode.settings import DecodeSettings
-from core.decode.step import Draft, NoDrafter, prefill, tree_mask, verify
-from core.decode.tree import AUTO, DRAFTERS, load_preset
+from core.decode.step import prefill, tree_mask, verify
+from core.decode.tree import AUTO, load_preset
+from core.drafters.base import Draft, NoDrafter
+from core.drafters.build import make_drafter
 from core.drafters.eagle import EagleDraft, init_from_backbone
 from core.drafters.eagle_tree import eagle_drafter
-from core.drafters.fixed import make_drafter
+from core.drafters.registry import DRAFTERS
 from core.drafters.retrieval import Corpus, SuffixIndex
 from models.heads import MedusaHeads
 from tests.helpers import tiny_model
@@ -83,11 +85,12 @@ def meta_problems(model, make, hidden: Tensor, root: Tensor, history: list[int])
     """What is not on the model's (meta) device when a drafter drafts and its tree is verified."""
     try:
         draft = make().propose(hidden, root, history)
-        cache = kv.new_cache(model)
+        backend = TorchBackend(model)
+        cache = backend.new_cache()
         with torch.inference_mode():
-            prefill(model, cache, torch.zeros(4, dtype=torch.long, device=model.device))
-            mask = tree_mask(model, draft, kv.length(cache))
-            verify(model, cache, draft)  # positions and mask meet the model's own tensors
+            prefill(backend, cache, torch.zeros(4, dtype=torch.long, device=model.device))
+            mask = tree_mask(backend, draft, backend.length(cache))
+            verify(backend, cache, draft)  # positions and mask meet the model's own tensors
     except (RuntimeError, NotImplementedError) as e:  # a tensor with values where there are none, or devices mixed
         return [f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:160]}"]
     return off_device(draft, model.device) + ([f"mask on {mask.device}"] if mask is not None and mask.is_cpu else [])
@@ -226,12 +229,15 @@ def test_the_profile_the_cost_curve_and_the_bench_run_and_time_on_a_virtual_gpu(
     context = [(7 * i) % VOCAB for i in range(1, 41)]
     with VirtualCuda():
         drafter = make_drafter("hybrid", heads, load_preset("cpu-8").tree.to(GPU))
-        steps = profile.step_costs(model, context, lambda tree: MedusaDrafter(heads, tree), sizes=(1, 2, 8), repeats=1)
+        backend = TorchBackend(model)
+        steps = profile.step_costs(
+            backend, context, lambda tree: MedusaDrafter(heads, tree), sizes=(1, 2, 8), repeats=1
+        )
         profiled = len(syncs)
-        curve = list(costs.measure(model, heads, repeats=1, budget_s=0.0))[-1]
+        curve = list(costs.measure(backend, heads, repeats=1, budget_s=0.0))[-1]
         measured = len(syncs)
         runs = run_bench(
-            [context[:12]], ("hybrid", "baseline"), model, DecodeSettings(max_new_tokens=8), {"hybrid": drafter}, ()
+            [context[:12]], ("hybrid", "baseline"), backend, DecodeSettings(max_new_tokens=8), {"hybrid": drafter}, ()
         )
     assert [s.nodes for s in steps] == [1, 2, 8] and curve.step_ms and len(runs) == 2
     assert 0 < profiled < measured < len(syncs)  # each of them waited for the GPU around what it timed

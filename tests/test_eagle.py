@@ -11,16 +11,17 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
+from core.backends.torch import TorchBackend
 from core.decode.generate import collect, stream
 from core.decode.settings import DecodeSettings
-from core.decode.step import Draft
 from core.decode.tree import build_tree
+from core.drafters.base import Draft
 from core.drafters.eagle import DrafterCard, EagleDraft, load_draft, save_draft
 from core.drafters.eagle_tree import EagleDrafter, LeanDraft, _closed
 from core.errors import UserError
 from core.train import eagle as eagle_train
 from models.eagle_formats import load_published
-from tests.helpers import ARCHS, plain_tokens, three_token_p_value, tiny_model
+from tests.helpers import ARCHS, plain_tokens, three_token_p_value, tiny_backend, tiny_model
 
 
 def _draft(model, seed: int = 3, vocab=None) -> EagleDraft:
@@ -133,16 +134,23 @@ def test_drafter_offers_the_draft_layers_own_top_tokens():
     assert set(proposed.sources[1:]) == {5}  # core.decode.tree.EAGLE
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_with_eagle_equals_plain_greedy(arch):
-    model = tiny_model(arch)
+def check_greedy_equals_plain(arch: str, make_draft, budgets: tuple[int, ...]) -> None:
+    """Greedy decoding with an EAGLE drafter (`make_draft(model)`) of each node budget gives plain
+    greedy decoding's tokens, its drafts verified along the way."""
+    backend = tiny_backend(arch)
+    model = backend.model
     prompt = [5, 17, 3, 17, 9, 5, 17]
-    reference = plain_tokens(model, prompt, 40)
-    for budget in (1, 6, 24):
-        drafter = EagleDrafter(_draft(model), model.dtype, budget=budget)
-        events, done = collect(stream(model, prompt, DecodeSettings(max_new_tokens=40), drafter))
+    reference = plain_tokens(backend, prompt, 40)
+    for budget in budgets:
+        drafter = EagleDrafter(make_draft(model), model.dtype, budget=budget)
+        events, done = collect(stream(backend, prompt, DecodeSettings(max_new_tokens=40), drafter))
         assert list(done.token_ids) == reference
         assert max(e.tree_size for e in events) > budget  # the draft's nodes were verified
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_with_eagle_equals_plain_greedy(arch):
+    check_greedy_equals_plain(arch, _draft, (1, 6, 24))
 
 
 def test_eagle_drafts_are_accepted_when_the_draft_knows_the_model():
@@ -150,7 +158,7 @@ def test_eagle_drafts_are_accepted_when_the_draft_knows_the_model():
     right every time; a draft trained for a few steps on the model's greedy output gets accepted."""
     model = tiny_model("llama", vocab=32, seed=1)
     prompt = [3, 7, 1]
-    reply = plain_tokens(model, prompt, 60)
+    reply = plain_tokens(TorchBackend(model), prompt, 60)
     ids = torch.tensor(prompt + reply)
     with torch.inference_mode():
         features = model.base_model(input_ids=ids.view(1, -1)).last_hidden_state[0].clone()
@@ -164,7 +172,7 @@ def test_eagle_drafts_are_accepted_when_the_draft_knows_the_model():
     result = eagle_train.evaluate(draft, seqs, to_draft, 3)
     assert result["acceptance"][0] > 0.8
     drafter = EagleDrafter(draft.eval(), model.dtype, lookup=False, budget=8)
-    events, done = collect(stream(model, prompt, DecodeSettings(max_new_tokens=60), drafter))
+    events, done = collect(stream(TorchBackend(model), prompt, DecodeSettings(max_new_tokens=60), drafter))
     assert list(done.token_ids) == reply
     accepted = Counter(s for e in events for s in e.sources)
     assert accepted["eagle"] > 30 and done.steps < 30
@@ -176,7 +184,11 @@ def test_lossless_sampling_distribution_with_eagle():
     drafter = EagleDrafter(_draft(model), model.dtype, lookup=False, budget=6, depth=3)  # 3 tokens a reply
     kinds = Counter()
     p_value = three_token_p_value(
-        model, [1, 4, 2, 1, 4], vocab, drafter, on_events=lambda ev: kinds.update(s for e in ev for s in e.sources)
+        TorchBackend(model),
+        [1, 4, 2, 1, 4],
+        vocab,
+        drafter,
+        on_events=lambda ev: kinds.update(s for e in ev for s in e.sources),
     )
     assert kinds["eagle"] > 100
     assert p_value > 1e-3
@@ -186,7 +198,8 @@ def test_typical_acceptance_runs_with_eagle():
     model = tiny_model("llama")
     drafter = EagleDrafter(_draft(model), model.dtype, budget=8)
     settings = DecodeSettings(max_new_tokens=30, temperature=0.7, acceptance="typical")
-    events, done = collect(stream(model, [5, 17, 3], settings, drafter, generator=torch.Generator().manual_seed(0)))
+    backend = TorchBackend(model)
+    events, done = collect(stream(backend, [5, 17, 3], settings, drafter, generator=torch.Generator().manual_seed(0)))
     assert len(done.token_ids) == 30 and all(e.accepted == len(e.token_ids) - 1 for e in events[1:-1])
 
 
@@ -305,8 +318,9 @@ def test_published_eagle1_checkpoint_drafts_as_its_own_code_would(tmp_path):
     torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
     prompt = [5, 17, 3, 17, 9, 5, 17]
     drafter = EagleDrafter(draft, model.dtype, lookup=False, budget=10)
-    _, done = collect(stream(model, prompt, DecodeSettings(max_new_tokens=30), drafter))
-    assert list(done.token_ids) == plain_tokens(model, prompt, 30)
+    backend = TorchBackend(model)
+    _, done = collect(stream(backend, prompt, DecodeSettings(max_new_tokens=30), drafter))
+    assert list(done.token_ids) == plain_tokens(backend, prompt, 30)
 
 
 def test_published_checkpoints_that_do_not_fit_are_refused_in_one_sentence(tmp_path):
@@ -385,9 +399,9 @@ def test_shipped_drafter_drafts_for_the_embedded_model_exactly_and_is_accepted()
     assert card.acceptance[0] > 0.3 and len(draft.vocab) == 8192
     assert resolve(backbone.name).eagle == file and eagle_for(backbone, file) is not None  # the model's own
     prompt = backbone.encode_chat("Explain how a refrigerator keeps food cold.")
-    reference = plain_tokens(backbone.model, prompt, 64)
+    reference = plain_tokens(backbone.backend, prompt, 64)
     drafter = EagleDrafter(draft, torch.float32, lookup=False, budget=6)
-    events, done = collect(stream(backbone.model, prompt, DecodeSettings(max_new_tokens=64), drafter))
+    events, done = collect(stream(backbone.backend, prompt, DecodeSettings(max_new_tokens=64), drafter))
     assert list(done.token_ids) == reference
     assert sum(s == "eagle" for e in events for s in e.sources) > 10  # the trained layer's drafts are accepted
 

@@ -8,17 +8,15 @@ import copy
 import pytest
 import torch
 
-from core.backends import cache as kv
-from core.backends import lean as fast
-from core.decode.generate import collect, stream
-from core.decode.settings import DecodeSettings
-from core.decode.step import Draft, prefill, verify
+from core.decode.step import prefill, verify
 from core.decode.tree import load_tree
+from core.drafters.base import Draft
 from core.drafters.eagle import DrafterCard, EagleDraft, eagle3_taps, load_draft, save_draft
 from core.drafters.eagle_tree import EagleDrafter
 from core.errors import UserError
 from core.train import eagle as eagle_train
-from tests.helpers import ARCHS, FAST_KERNELS, plain_tokens, require_kernel, tiny_model
+from tests.helpers import ARCHS, FAST_KERNELS, require_kernel, tiny_backend, tiny_model
+from tests.test_eagle import check_greedy_equals_plain
 
 PROMPT = [1, 17, 33, 5, 60, 2, 41]
 
@@ -43,18 +41,18 @@ def test_tapped_streams_are_transformers_hidden_states(arch):
     """fp32: the streams at the taps, in prefill and at every node of a tree verify, are the
     hidden states transformers gives after that many layers."""
     reference = tiny_model("llama")
-    model = tiny_model(arch)
+    backend = tiny_backend(arch)
     taps = (0, 1)
     tree = load_tree("cpu-8")[1]
     tokens = torch.randint(0, 96, (tree.size,), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        cache = kv.new_cache(model)
-        first = prefill(model, cache, torch.tensor(PROMPT), taps)
+        cache = backend.new_cache()
+        first = prefill(backend, cache, torch.tensor(PROMPT), taps)
         states = reference(torch.tensor([PROMPT]), output_hidden_states=True).hidden_states
         torch.testing.assert_close(first.taps, torch.cat([states[t][0] for t in taps], -1), atol=1e-5, rtol=1e-5)
         fed = first.backbone_features()
         assert fed.shape == (len(PROMPT), 3 * 64) and fed[:, -64:].equal(first.features)
-        fwd = verify(model, cache, Draft(tokens, tree), taps)
+        fwd = verify(backend, cache, Draft(tokens, tree), taps)
         for node in (0, tree.size - 1):
             path = tokens[tree.path_to(node)].tolist()
             states = reference(torch.tensor([PROMPT + path]), output_hidden_states=True).hidden_states
@@ -66,8 +64,8 @@ def test_native_decoding_in_segments_gives_the_same_bits():
     """The library's decoder run between taps gives the final states of one whole call, bit for
     bit, and the tapped stream of the per-layer path."""
     require_kernel("q4", torch.bfloat16)
-    model = tiny_model("llama+q4")
-    forward = fast.forward_of(model)
+    backend = tiny_backend("llama+q4")
+    forward = backend.forward
     assert forward.native is not None
     tree = load_tree("cpu-8")[1]
     tokens = torch.randint(0, 96, (tree.size,), generator=torch.Generator().manual_seed(1))
@@ -75,9 +73,9 @@ def test_native_decoding_in_segments_gives_the_same_bits():
     with torch.inference_mode():
         for taps, decoder in (((), native), ((1,), native), ((1,), None)):
             forward.native = decoder  # None: layer by layer in torch (the taps' fallback)
-            cache = kv.new_cache(model)
-            prefill(model, cache, torch.tensor(PROMPT))
-            results.append(verify(model, cache, Draft(tokens, tree), taps))
+            cache = backend.new_cache()
+            prefill(backend, cache, torch.tensor(PROMPT))
+            results.append(verify(backend, cache, Draft(tokens, tree), taps))
     forward.native = native
     whole, segments, lean = results
     assert whole.taps is None and segments.taps.shape == (tree.size, 64)
@@ -111,14 +109,7 @@ def test_training_passes_with_taps_compute_what_drafting_computes():
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_with_an_eagle3_drafter_equals_plain_greedy(arch):
-    model = tiny_model(arch)
-    prompt = [5, 17, 3, 17, 9, 5, 17]
-    reference = plain_tokens(model, prompt, 40)
-    for budget in (1, 6):
-        drafter = EagleDrafter(_draft(model), model.dtype, budget=budget)
-        events, done = collect(stream(model, prompt, DecodeSettings(max_new_tokens=40), drafter))
-        assert list(done.token_ids) == reference
-        assert max(e.tree_size for e in events) > budget
+    check_greedy_equals_plain(arch, _draft, (1, 6))
 
 
 def test_taps_travel_with_the_file_and_must_fit_the_model(tmp_path):

@@ -7,6 +7,7 @@ import torch
 
 from core.backends import cache as kv
 from core.backends import lean as fast
+from core.backends.torch import TorchBackend
 from core.decode.generate import Finished, StepEvent, collect, stream
 from core.decode.settings import DecodeSettings
 from core.decode.step import accept, commit, prefill, verify
@@ -20,6 +21,7 @@ from tests.helpers import (
     OracleDrafter,
     plain_tokens,
     three_token_p_value,
+    tiny_backend,
     tiny_model,
 )
 
@@ -43,12 +45,12 @@ def random_heads(model, num_heads=4, seed=0) -> MedusaHeads:
 
 @pytest.mark.parametrize(("arch", "tree_name"), list(product(ARCHS, TREES)))
 def test_greedy_tree_decoding_equals_plain_greedy(arch, tree_name):
-    model = tiny_model(arch)
+    backend = tiny_backend(arch)
     n = 40
-    reference = plain_tokens(model, PROMPT, n + 8)
+    reference = plain_tokens(backend, PROMPT, n + 8)
     tree = tree_named(tree_name)
-    drafter = OracleDrafter(PROMPT + reference, tree, model.config.vocab_size, seed=1)
-    events, done = collect(stream(model, PROMPT, DecodeSettings(max_new_tokens=n), drafter))
+    drafter = OracleDrafter(PROMPT + reference, tree, backend.model.config.vocab_size, seed=1)
+    events, done = collect(stream(backend, PROMPT, DecodeSettings(max_new_tokens=n), drafter))
     assert list(done.token_ids) == reference[:n]
     accepted = [e.accepted for e in events]
     assert max(accepted) >= 2 and len(events) < n  # drafts were really accepted, deep ones too
@@ -58,10 +60,10 @@ def test_greedy_tree_decoding_equals_plain_greedy(arch, tree_name):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_with_real_heads_equals_plain_greedy(arch):
-    model = tiny_model(arch)
-    reference = plain_tokens(model, PROMPT, 30)
-    drafter = MedusaDrafter(random_heads(model), load_tree("mc_sim_7b_63")[1])
-    _, done = collect(stream(model, PROMPT, DecodeSettings(max_new_tokens=30), drafter))
+    backend = tiny_backend(arch)
+    reference = plain_tokens(backend, PROMPT, 30)
+    drafter = MedusaDrafter(random_heads(backend.model), load_tree("mc_sim_7b_63")[1])
+    _, done = collect(stream(backend, PROMPT, DecodeSettings(max_new_tokens=30), drafter))
     assert list(done.token_ids) == reference
 
 
@@ -70,13 +72,14 @@ def test_tree_forward_matches_sequential_forwards(attn):
     """Each node's logits equal those of a plain run over its path (both attention kernels)."""
     model = tiny_model("llama")
     model.config._attn_implementation = attn
+    backend = TorchBackend(model)
     tree = tree_named("cpu-8")
     tokens = torch.randint(0, 96, (tree.size,), generator=torch.Generator().manual_seed(0))
-    cache = kv.new_cache()
-    prefill(model, cache, torch.tensor(PROMPT))
-    from core.decode.step import Draft
+    cache = backend.new_cache()
+    prefill(backend, cache, torch.tensor(PROMPT))
+    from core.drafters.base import Draft
 
-    fwd = verify(model, cache, Draft(tokens, tree))
+    fwd = verify(backend, cache, Draft(tokens, tree))
     for node in range(tree.size):
         path = tokens[tree.path_to(node)].tolist()
         plain = model(torch.tensor([PROMPT + path])).logits[0, -1]
@@ -85,26 +88,27 @@ def test_tree_forward_matches_sequential_forwards(attn):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cache_after_commit_equals_plain_cache(arch):
-    model = tiny_model(arch)
-    reference = plain_tokens(model, PROMPT, 12)
+    backend = tiny_backend(arch)
+    model = backend.model
+    reference = plain_tokens(backend, PROMPT, 12)
     tree = tree_named("custom")
     drafter = OracleDrafter(PROMPT + reference, tree, model.config.vocab_size, seed=3)
     settings = DecodeSettings()
-    cache = kv.new_cache(model)
-    fwd = prefill(model, cache, torch.tensor(PROMPT))
+    cache = backend.new_cache()
+    fwd = prefill(backend, cache, torch.tensor(PROMPT))
     root = fwd.logits[-1].argmax()
     committed = list(PROMPT)
     with torch.inference_mode():
         for _ in range(4):
-            prefix = kv.length(cache)
+            prefix = backend.length(cache)
             draft = drafter.propose(fwd.hidden[-1], root, committed + [int(root)])
-            fwd = verify(model, cache, draft)
+            fwd = verify(backend, cache, draft)
             result = accept(fwd, draft, settings, None)
-            commit(cache, prefix, result)
+            commit(backend, cache, prefix, result)
             committed += draft.tokens[result.path].tolist()
             root = result.next_token
-    assert kv.length(cache) == len(committed)
-    plain = kv.new_cache()  # transformers' own forward and cache over the committed tokens
+    assert backend.length(cache) == len(committed)
+    plain = TorchBackend(model).new_cache()  # transformers' own forward and cache over the committed tokens
     model(torch.tensor([committed]), **kv.argument(model, plain), use_cache=True)
     for i, theirs in enumerate(plain.layers):
         if isinstance(cache, fast.StaticKV):
@@ -118,11 +122,11 @@ def test_cache_after_commit_equals_plain_cache(arch):
 @pytest.mark.parametrize("arch", ["llama", *(f"llama+{k}" for k in FAST_KERNELS)])
 def test_lossless_sampling_reproduces_plain_sampling_for_the_same_seed(arch):
     """One draw per emitted token, in order: the same generator gives the same reply."""
-    model = tiny_model(arch)
+    backend = tiny_backend(arch)
     settings = DecodeSettings(temperature=0.8, top_p=0.95, max_new_tokens=40)
-    plain = plain_tokens(model, PROMPT, 40, settings, torch.Generator().manual_seed(7))
-    drafter = MedusaDrafter(random_heads(model), load_tree("mc_sim_7b_63")[1])
-    _events, done = collect(stream(model, PROMPT, settings, drafter, generator=torch.Generator().manual_seed(7)))
+    plain = plain_tokens(backend, PROMPT, 40, settings, torch.Generator().manual_seed(7))
+    drafter = MedusaDrafter(random_heads(backend.model), load_tree("mc_sim_7b_63")[1])
+    _events, done = collect(stream(backend, PROMPT, settings, drafter, generator=torch.Generator().manual_seed(7)))
     assert list(done.token_ids) == plain
 
 
@@ -130,25 +134,25 @@ def test_lossless_sampling_reproduces_plain_sampling_for_the_same_seed(arch):
 def test_lossless_sampling_distribution_on_a_model(arch):
     """Chi-square of the first three tokens against the model's exact probabilities."""
     vocab = 6
-    model = tiny_model(arch, vocab=vocab, seed=2)
+    backend = tiny_backend(arch, vocab=vocab, seed=2)
     prompt = [1, 4, 2]
     tree = build_tree([[0], [1], [2], [0, 0], [0, 1], [1, 0]])
-    heads = random_heads(model, num_heads=2, seed=5)
+    heads = random_heads(backend.model, num_heads=2, seed=5)
     drafter = MedusaDrafter(heads, tree)
     accepted: list[int] = []
     p_value = three_token_p_value(
-        model, prompt, vocab, drafter, on_events=lambda ev: accepted.extend(e.accepted for e in ev)
+        backend, prompt, vocab, drafter, on_events=lambda ev: accepted.extend(e.accepted for e in ev)
     )
     assert sum(accepted) > 3000 // 3  # the tree was really used
     assert p_value > 1e-3
 
 
 def test_events_add_up_and_text_deltas_concatenate():
-    model = tiny_model("llama")
-    reference = plain_tokens(model, PROMPT, 30)
+    backend = tiny_backend("llama")
+    reference = plain_tokens(backend, PROMPT, 30)
     drafter = OracleDrafter(PROMPT + reference, tree_named("cpu-8"), 96, seed=2)
     decoder = ByteDecoder()
-    events, done = collect(stream(model, PROMPT, DecodeSettings(max_new_tokens=30), drafter, decoder))
+    events, done = collect(stream(backend, PROMPT, DecodeSettings(max_new_tokens=30), drafter, decoder))
     assert all(isinstance(e, StepEvent) for e in events) and isinstance(done, Finished)
     assert sum(len(e.token_ids) for e in events) == len(done.token_ids) == 30
     assert [e.step for e in events] == list(range(1, len(events) + 1)) and done.steps == len(events)
@@ -161,23 +165,23 @@ def test_events_add_up_and_text_deltas_concatenate():
 
 
 def test_finish_reasons():
-    model = tiny_model("llama")
-    reference = plain_tokens(model, PROMPT, 30)
+    backend = tiny_backend("llama")
+    reference = plain_tokens(backend, PROMPT, 30)
     drafter = OracleDrafter(PROMPT + reference, tree_named("cpu-8"), 96, seed=2)
 
     eos = reference[10]
     first = reference.index(eos)
-    _, done = collect(stream(model, PROMPT, DecodeSettings(max_new_tokens=30), drafter, eos_ids=[eos]))
+    _, done = collect(stream(backend, PROMPT, DecodeSettings(max_new_tokens=30), drafter, eos_ids=[eos]))
     assert done.finish_reason == "eos" and list(done.token_ids) == reference[: first + 1]
 
     calls = []
     should_stop = lambda: calls.append(1) or len(calls) > 2  # noqa: E731
-    events, done = collect(stream(model, PROMPT, DecodeSettings(), drafter, should_stop=should_stop))
+    events, done = collect(stream(backend, PROMPT, DecodeSettings(), drafter, should_stop=should_stop))
     assert done.finish_reason == "cancelled" and len(events) == 3
 
     decoder = ByteDecoder()
     stop = decoder.decode(reference[12:14])
-    _, done = collect(stream(model, PROMPT, DecodeSettings(stop=(stop,)), drafter, decoder))
+    _, done = collect(stream(backend, PROMPT, DecodeSettings(stop=(stop,)), drafter, decoder))
     assert done.finish_reason == "stop" and stop not in done.text
     assert done.text == decoder.decode(reference)[: decoder.decode(reference).index(stop)]
 
@@ -193,8 +197,9 @@ class ByteDecoder:
 @pytest.mark.parametrize("arch", BASE_ARCHS)
 def test_greedy_tree_decoding_on_cuda_equals_plain_greedy(arch):
     model = tiny_model(arch).to("cuda")
-    reference = plain_tokens(model, PROMPT, 40)
+    backend = TorchBackend(model)
+    reference = plain_tokens(backend, PROMPT, 40)
     tree = tree_named("mc_sim_7b_63").to("cuda")
     drafter = MedusaDrafter(random_heads(model).to("cuda"), tree)
-    _, done = collect(stream(model, PROMPT, DecodeSettings(max_new_tokens=40), drafter))
+    _, done = collect(stream(backend, PROMPT, DecodeSettings(max_new_tokens=40), drafter))
     assert list(done.token_ids) == reference

@@ -6,16 +6,26 @@ import json
 import pytest
 import torch
 
-from core.backends import cache as kv
 from core.backends import lean as fast
 from core.backends import q4
+from core.backends.base import RowLogits
 from core.decode.generate import collect, stream
 from core.decode.settings import DecodeSettings
-from core.decode.step import Draft, RowLogits, prefill, verify
+from core.decode.step import prefill, verify
 from core.decode.tree import build_tree, load_tree
+from core.drafters.base import Draft
 from core.drafters.fixed import MedusaDrafter
 from core.measure import kernels
-from tests.helpers import FAST_KERNELS, OracleDrafter, plain_tokens, require_kernel, three_token_p_value, tiny_model
+from models.quantization import pick_quantization
+from tests.helpers import (
+    FAST_KERNELS,
+    OracleDrafter,
+    plain_tokens,
+    require_kernel,
+    three_token_p_value,
+    tiny_backend,
+    tiny_model,
+)
 from tests.test_engine import random_heads
 
 PROMPT = [1, 17, 33, 5, 60, 2, 41]
@@ -26,31 +36,61 @@ PROMPT = [1, 17, 33, 5, 60, 2, 41]
 def test_fast_forward_matches_transformers(arch, kernel):
     """fp32: prefill and every node of a tree verify give transformers' own logits."""
     reference = tiny_model(arch)
-    model = tiny_model(f"{arch}+{kernel}")
-    assert fast.forward_of(model) is not None and fast.forward_of(reference) is None
+    backend = tiny_backend(f"{arch}+{kernel}")
+    assert backend.layer_kernel == kernel and backend.describe().startswith("lean")
     tree = load_tree("cpu-8")[1]
     tokens = torch.randint(0, 96, (tree.size,), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        cache = kv.new_cache(model)
+        cache = backend.new_cache()
         assert isinstance(cache, fast.StaticKV)
-        first = prefill(model, cache, torch.tensor(PROMPT))
+        first = prefill(backend, cache, torch.tensor(PROMPT))
         expected = reference(torch.tensor([PROMPT])).logits[0, -1]
         torch.testing.assert_close(first.logits[-1], expected, atol=1e-5, rtol=1e-5)
-        fwd = verify(model, cache, Draft(tokens, tree))
+        fwd = verify(backend, cache, Draft(tokens, tree))
         for node in range(tree.size):
             path = tokens[tree.path_to(node)].tolist()
             plain = reference(torch.tensor([PROMPT + path])).logits[0, -1]
             torch.testing.assert_close(fwd.logits[node], plain, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(not FAST_KERNELS, reason="no fp32 kernel rounds alike at every row count on this CPU")
+def test_both_backends_serve_the_step_through_one_interface():
+    """Prefill, a tree forward, keeping one path, a step after it and a cut back: the same calls on
+    transformers' backend and the lean one, the same logits as a plain run over those tokens."""
+    reference = tiny_model("llama")
+    plain, lean = tiny_backend("llama"), tiny_backend(f"llama+{FAST_KERNELS[0]}")
+    assert (plain.describe(), plain.layer_kernel, plain.rows_one_by_one) == ("transformers", None, False)
+    assert lean.describe().startswith(f"lean, {FAST_KERNELS[0]} layers")
+    tree = load_tree("cpu-8")[1]
+    tokens = torch.randint(0, 96, (tree.size,), generator=torch.Generator().manual_seed(2))
+    path = tree.path_to(tree.size - 1)
+    kept = PROMPT + tokens[path].tolist()
+    with torch.inference_mode():
+        expected = reference(torch.tensor([kept + [7]])).logits[0, -1]
+        for backend in (plain, lean):
+            cache = backend.new_cache()
+            hidden, taps = backend.prefill(cache, torch.tensor(PROMPT))
+            assert hidden.shape == (len(PROMPT), 64) and taps is None and backend.length(cache) == len(PROMPT)
+            past = len(PROMPT)
+            nodes, _ = backend.run(tokens, tree.depth + past, tree.attention_mask(past, backend.dtype), cache)
+            logits = backend.logits(nodes, tree=True)
+            assert not logits.by_row and logits.full().shape == (tree.size, 96)
+            backend.keep_path(cache, past, path)
+            assert backend.length(cache) == len(kept)
+            last, _ = backend.run(torch.tensor([7]), torch.tensor([len(kept)]), None, cache)
+            torch.testing.assert_close(backend.logits(last)[0], expected, atol=1e-5, rtol=1e-5)
+            backend.truncate(cache, 3)
+            assert backend.length(cache) == 3
+
+
 def test_a_prefill_on_top_of_a_cache_is_causal():
     """A second block of several tokens after a prefix attends causally (the mask fast builds)."""
     reference = tiny_model("llama")
-    model = tiny_model(f"llama+{FAST_KERNELS[0]}")
+    backend = tiny_backend(f"llama+{FAST_KERNELS[0]}")
     with torch.inference_mode():
-        cache = kv.new_cache(model)
-        prefill(model, cache, torch.tensor(PROMPT[:3]))
-        out = prefill(model, cache, torch.tensor(PROMPT[3:]))
+        cache = backend.new_cache()
+        prefill(backend, cache, torch.tensor(PROMPT[:3]))
+        out = prefill(backend, cache, torch.tensor(PROMPT[3:]))
         expected = reference(torch.tensor([PROMPT])).logits[0, -1]
     torch.testing.assert_close(out.logits[-1], expected, atol=1e-5, rtol=1e-5)
 
@@ -96,10 +136,10 @@ def test_greedy_tree_decoding_equals_plain_greedy_in_4_bits(kernel):
     """Exactness in the same precision: 4-bit weights with bf16 (int4) or int8 (q4) activations,
     tree vs plain."""
     require_kernel(kernel, torch.bfloat16)
-    model = tiny_model(f"llama+{kernel}")
-    reference = plain_tokens(model, PROMPT, 40)
-    drafter = OracleDrafter(PROMPT + reference, load_tree("mc_sim_7b_63")[1], model.config.vocab_size, seed=1)
-    events, done = collect(stream(model, PROMPT, DecodeSettings(max_new_tokens=32), drafter))
+    backend = tiny_backend(f"llama+{kernel}")
+    reference = plain_tokens(backend, PROMPT, 40)
+    drafter = OracleDrafter(PROMPT + reference, load_tree("mc_sim_7b_63")[1], backend.model.config.vocab_size, seed=1)
+    events, done = collect(stream(backend, PROMPT, DecodeSettings(max_new_tokens=32), drafter))
     assert list(done.token_ids) == reference[:32]
     assert max(e.accepted for e in events) >= 2
 
@@ -118,8 +158,8 @@ def test_static_cache_grows_keeps_paths_and_truncates():
     assert cache.get_seq_length() == 7
     assert cache.keys[0, 0, :7, 0].tolist() == [0, 1, 2, 3, 4, 6, 9]
     assert cache.values[1, 0, :7, 0].tolist() == [0, -1, -2, -3, -4, -6, -9]
-    kv.truncate(cache, 5)
-    assert kv.length(cache) == 5
+    cache.truncate(5)
+    assert cache.get_seq_length() == 5
 
 
 def test_kernel_choice_is_measured_once_and_a_damaged_record_is_measured_again(tmp_path, monkeypatch):
@@ -148,11 +188,10 @@ def test_kernel_choice_is_measured_once_and_a_damaged_record_is_measured_again(t
 
 def test_int4_is_refused_where_it_cannot_run():
     from core.errors import UserError
-    from models import loader
 
     config = tiny_model("llama").config
     with pytest.raises(UserError, match="for the CPU"):
-        loader._pick_quantization("int4", torch.device("cuda"), config)
+        pick_quantization("int4", torch.device("cuda"), config)
     config.model_type = "gpt2"
     assert not fast.servable(config)
 
@@ -191,19 +230,20 @@ def _runs(kernel: str, dtype: torch.dtype) -> bool:
 def test_logits_by_node_keep_greedy_exact_and_sampling_lossless():
     """Where the lm_head's cost grows by row, a tree's logits are computed a node at a time (only
     along the path the acceptance walk takes); replies stay exactly the plain loop's."""
-    model = tiny_model(f"llama+{FAST_KERNELS[0]}")
-    fast.forward_of(model).row_head = True  # as `accelerate` sets it where 8 rows cost over twice one
-    assert fast.row_head(model) and "by node" in fast.describe(model)
-    drafter = MedusaDrafter(random_heads(model), build_tree([[0], [1], [0, 0]]))
-    cache = kv.new_cache(model)
-    prefill(model, cache, torch.tensor(PROMPT))
-    assert isinstance(verify(model, cache, drafter.propose(torch.zeros(64), torch.tensor(3), PROMPT)).logits, RowLogits)
-    reference = plain_tokens(model, PROMPT, 40)
-    _, done = collect(stream(model, PROMPT, DecodeSettings(max_new_tokens=40), drafter))
+    backend = tiny_backend(f"llama+{FAST_KERNELS[0]}")
+    backend.row_head = True  # as `accelerate` sets it where 8 rows cost over twice one
+    assert "by node" in backend.describe()
+    drafter = MedusaDrafter(random_heads(backend.model), build_tree([[0], [1], [0, 0]]))
+    cache = backend.new_cache()
+    prefill(backend, cache, torch.tensor(PROMPT))
+    logits = verify(backend, cache, drafter.propose(torch.zeros(64), torch.tensor(3), PROMPT)).logits
+    assert isinstance(logits, RowLogits) and logits.by_row
+    reference = plain_tokens(backend, PROMPT, 40)
+    _, done = collect(stream(backend, PROMPT, DecodeSettings(max_new_tokens=40), drafter))
     assert list(done.token_ids) == reference and done.tokens_per_step > 1
 
     vocab, prompt = 6, [1, 4, 2]
-    small = tiny_model(f"llama+{FAST_KERNELS[0]}", vocab=vocab, seed=2)
-    fast.forward_of(small).row_head = True
-    drafter = MedusaDrafter(random_heads(small, num_heads=2, seed=5), build_tree([[0], [1], [0, 0]]))
+    small = tiny_backend(f"llama+{FAST_KERNELS[0]}", vocab=vocab, seed=2)
+    small.row_head = True
+    drafter = MedusaDrafter(random_heads(small.model, num_heads=2, seed=5), build_tree([[0], [1], [0, 0]]))
     assert three_token_p_value(small, prompt, vocab, drafter, seed=3) > 1e-3

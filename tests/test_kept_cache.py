@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from core.backends import cache as kv
-from core.backends import lean as fast
+from core.backends.base import Backend
 from core.backends.cache import Kept
 from core.decode.generate import Finished, collect, stream
 from core.decode.settings import DecodeSettings
@@ -22,7 +22,7 @@ from core.drafters.eagle import EagleDraft, init_from_backbone
 from core.drafters.eagle_tree import EagleDrafter
 from core.drafters.fixed import MedusaDrafter
 from core.drafters.lookup import NgramIndex
-from tests.helpers import FAST_KERNELS, tiny_model
+from tests.helpers import FAST_KERNELS, tiny_backend
 from tests.test_devices import corpus, random_heads
 
 ARCHS = ("llama", *(f"llama+{k}" for k in FAST_KERNELS))
@@ -67,16 +67,17 @@ def loaded(request, tokenizer):
     from app.engine import Loaded
     from models.loader import Backbone
 
-    model = tiny_model(request.param)
-    backbone = Backbone("tiny", model, tokenizer, (tokenizer.eos_token_id,))
+    backend = tiny_backend(request.param)
+    backbone = Backbone("tiny", backend.model, tokenizer, (tokenizer.eos_token_id,), backend=backend)
     costs = SimpleNamespace(curve=lambda: None, needed=False)  # the policy's prior curve, nothing to measure
-    return Loaded(backbone, random_heads(model), True, "cpu-8", costs, corpus(), eagle_layer(model))
+    return Loaded(backbone, random_heads(backend.model), True, "cpu-8", costs, corpus(), eagle_layer(backend))
 
 
-def eagle_layer(model) -> EagleDraft:
-    """An EAGLE layer for `model`: its own last layer where it has transformers' layers, else random."""
+def eagle_layer(backend: Backend) -> EagleDraft:
+    """An EAGLE layer for `backend`'s model: its own last layer where it has transformers' layers, else random."""
+    model = backend.model
     draft = EagleDraft(model, torch.arange(model.config.vocab_size))
-    if fast.forward_of(model) is None:
+    if backend.layer_kernel is None:
         init_from_backbone(draft, model)
     return draft.eval()
 
@@ -225,27 +226,27 @@ def test_one_conversation_is_kept_and_another_model_starts_afresh(loaded):
         b = [user("count: 1 2 3 4")]
         done = ask(engine, b, "hybrid")
         kept, prompt = engine.kept, engine.prepare(b, "", GREEDY).ids
-        assert kept.ids[: len(prompt)] == prompt and kv.length(kept.cache) == len(kept.ids)
+        assert kept.ids[: len(prompt)] == prompt and kept.cache.get_seq_length() == len(kept.ids)
         # the reply's tokens but the last (which no forward has read yet), and drafts accepted past the limit
         assert kept.ids[len(prompt) :][: len(done.token_ids) - 1] == list(done.token_ids[:-1])
-        other = tiny_model("llama", seed=1)
+        other = tiny_backend("llama", seed=1)
         cache, reused = kept.take(other, kept.ids + [3])
-        assert reused == 0 and kv.length(cache) == 0 and kept.cache is None and not kept.ids
+        assert reused == 0 and other.length(cache) == 0 and kept.cache is None and not kept.ids
     finally:
         engine.close()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_failed_reply_keeps_nothing(arch):
-    model = tiny_model(arch)
+    backend = tiny_backend(arch)
     kept = Kept()
-    collect(stream(model, [5, 17, 3, 9], GREEDY, kept=kept))
+    collect(stream(backend, [5, 17, 3, 9], GREEDY, kept=kept))
     assert len(kept) > 4
-    events = stream(model, [5, 17, 3, 9, 30], GREEDY, kept=kept)
+    events = stream(backend, [5, 17, 3, 9, 30], GREEDY, kept=kept)
     next(events)  # the prefill took the kept cache; the reader leaves
     events.close()
     assert kept.cache is None and not kept.ids
-    _, done = collect(stream(model, [5, 17, 3, 9, 30], GREEDY, kept=kept))
+    _, done = collect(stream(backend, [5, 17, 3, 9, 30], GREEDY, kept=kept))
     assert done.prompt_reused == 0
 
 
@@ -253,16 +254,17 @@ def test_a_failed_reply_keeps_nothing(arch):
 def test_eagle_rewound_drafts_as_after_the_whole_prompt(arch):
     """The EAGLE draft layer's cache after a reply that reused the kept cache equals its cache
     after the whole prompt was read: the same entries, the same tree drafted next."""
-    model = tiny_model(arch)
+    backend = tiny_backend(arch)
+    model = backend.model
     settings = DecodeSettings(max_new_tokens=16)
     prompt = [5, 17, 3, 9, 22, 40, 41, 7]
-    draft = eagle_layer(model)
+    draft = eagle_layer(backend)
     kept, mine = Kept(), EagleDrafter(draft, model.dtype, budget=6)
-    _, one = collect(stream(model, prompt, settings, mine, kept=kept))
+    _, one = collect(stream(backend, prompt, settings, mine, kept=kept))
     follow = [*prompt, *one.token_ids, 11, 12, 13]
-    _, two = collect(stream(model, follow, settings, mine, kept=kept))
+    _, two = collect(stream(backend, follow, settings, mine, kept=kept))
     theirs = EagleDrafter(draft, model.dtype, budget=6)
-    _, again = collect(stream(model, follow, settings, theirs))
+    _, again = collect(stream(backend, follow, settings, theirs))
     assert two.prompt_reused >= len(prompt) + len(one.token_ids) - 2 and two.token_ids == again.token_ids
     mine._flush(), theirs._flush()
     n = theirs.cache.length
@@ -274,13 +276,13 @@ def test_eagle_rewound_drafts_as_after_the_whole_prompt(arch):
 
 def test_a_medusa_first_step_drafts_from_the_last_prompt_position():
     """Reading part of the prompt still gives the heads the last position's hidden state."""
-    model = tiny_model("llama")
-    drafter = MedusaDrafter(random_heads(model), load_preset("cpu-8").tree)
+    backend = tiny_backend("llama")
+    drafter = MedusaDrafter(random_heads(backend.model), load_preset("cpu-8").tree)
     kept, prompt = Kept(), [5, 17, 3, 9, 22, 40]
-    _, one = collect(stream(model, prompt, GREEDY, drafter, kept=kept))
+    _, one = collect(stream(backend, prompt, GREEDY, drafter, kept=kept))
     follow = [*prompt, *one.token_ids, 8, 9]
-    mine, _ = collect(stream(model, follow, GREEDY, drafter, kept=kept))
-    theirs, _ = collect(stream(model, follow, GREEDY, drafter))
+    mine, _ = collect(stream(backend, follow, GREEDY, drafter, kept=kept))
+    theirs, _ = collect(stream(backend, follow, GREEDY, drafter))
     assert mine[1].draft == theirs[1].draft  # the first tree, drafted from the prefill's last hidden state
 
 
@@ -304,7 +306,7 @@ def test_the_stats_name_the_first_token_and_the_prompt_tokens_read_and_reused(lo
 
     from app.chat import Chat, Turn, chat_from_dict
     from app.engine import figures
-    from app.render import stats_html
+    from app.panels import stats_html
 
     engine, _ = engines(loaded)
     try:

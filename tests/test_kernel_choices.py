@@ -12,8 +12,8 @@ import torch
 from core.backends import lean as fast
 from core.backends import q4
 from core.drafters.policy import CostCurve
-from core.measure import kernels, profile
-from tests.helpers import library_builds, tiny_model
+from core.measure import clock, kernels, profile
+from tests.helpers import library_builds, tiny_backend
 from tests.tiny_folder import save_tiny_model
 
 
@@ -42,15 +42,15 @@ def test_five_launches_make_the_same_choices_and_measure_the_curve_once(tmp_path
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     spec = save_tiny_model(tmp_path / "model")
-    clock, rng = NoisyClock(0), random.Random(1)
-    monkeypatch.setattr(profile, "time_ms", clock)  # whatever times the lm_head reads noise
-    monkeypatch.setattr(kernels, "time_ms", clock)
+    noisy, rng = NoisyClock(0), random.Random(1)
+    monkeypatch.setattr(clock, "time_ms", noisy)  # whatever times the lm_head reads noise
+    monkeypatch.setattr(kernels, "time_ms", noisy)
     monkeypatch.setattr(kernels, "_seconds", lambda choice, hidden, inner, repeats=3: rng.uniform(1.0, 1.3))
     seen = []
     for launch in range(5):
         backbone = loader.load_backbone(str(spec.folder), quantization="int4", spec=spec)
-        model = backbone.model
-        seen.append((fast.layer_kernel(model), model.get_output_embeddings().kernel, fast.row_head(model)))
+        backend = backbone.backend
+        seen.append((backend.layer_kernel, backend.model.get_output_embeddings().kernel, backend.row_head))
         costs = loader.step_costs(backbone, None)
         assert costs.needed == (launch == 0), f"launch {launch + 1} measures the step-cost curve again"
         if launch == 0:  # as the first launch's measurement would
@@ -128,10 +128,10 @@ def test_a_tree_row_equals_a_one_row_product_at_wide_layers(variant):
 
 
 def test_the_profile_states_one_more_rows_floor():
-    model = tiny_model("llama")
-    costs = profile.step_costs(model, list(range(1, 40)), None, sizes=(1, 4, 8), repeats=1)
-    floor = profile.row_floor(model, costs)
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    backend = tiny_backend("llama")
+    costs = profile.step_costs(backend, list(range(1, 40)), None, sizes=(1, 4, 8), repeats=1)
+    floor = profile.row_floor(backend, costs)
+    linears = [m for m in backend.model.modules() if isinstance(m, torch.nn.Linear)]
     assert floor.macs == sum(m.in_features * m.out_features for m in linears) > 0
     assert floor.peak_gmacs > 0 and floor.floor_ms == pytest.approx(floor.macs / floor.peak_gmacs / 1e6, rel=0.01)
     assert set(floor.measured_ms) == {4, 8}

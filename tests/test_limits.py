@@ -12,16 +12,16 @@ from torch import Tensor
 from app.history import fit_history
 from core.decode.generate import collect, stream
 from core.decode.settings import DecodeSettings
-from core.decode.step import Draft
 from core.decode.tree import build_tree
+from core.drafters.base import Draft, Drafter
 from core.errors import UserError
-from tests.helpers import plain_tokens, tiny_model
+from tests.helpers import plain_tokens, tiny_backend
 
 PROMPT = [1, 17, 33, 5, 60, 2, 41]
 CHAINS = {d: build_tree([[0] * i for i in range(1, d + 1)]) for d in range(5)}
 
 
-class ChainOracle:
+class ChainOracle(Drafter):
     """Drafts the true continuation as a chain of up to 4 tokens. With `stop_at` (an index into
     prompt + reply), the steps before it are shortened so that one step drafts a chain of 4
     ending exactly there: that step accepts a whole branch whose last drafted token is it."""
@@ -45,39 +45,40 @@ def first_new_token_at(tokens: list[int], start: int) -> int:
 
 @pytest.fixture(scope="module")
 def setup():
-    model = tiny_model("llama")
-    reply = plain_tokens(model, PROMPT, 40)
+    backend = tiny_backend("llama")
+    reply = plain_tokens(backend, PROMPT, 40)
     eos_at = first_new_token_at(reply, 6)  # the first token not seen before: plain decoding stops there
-    return model, reply, eos_at
+    return backend, reply, eos_at
 
 
-def decode(model, drafter, limit: int, eos: int | None = None):
+def decode(backend, drafter, limit: int, eos: int | None = None):
     settings = DecodeSettings(max_new_tokens=limit)
-    events, done = collect(stream(model, PROMPT, settings, drafter, eos_ids=() if eos is None else (eos,)))
+    events, done = collect(stream(backend, PROMPT, settings, drafter, eos_ids=() if eos is None else (eos,)))
     return events, done
 
 
 @pytest.mark.parametrize("below", [1, 2, 3])
 def test_a_branch_ending_in_eos_never_overshoots_the_limit(setup, below):
-    model, reply, eos_at = setup
+    backend, reply, eos_at = setup
     drafter = ChainOracle(PROMPT + reply, len(PROMPT) + eos_at)
     limit = eos_at + 1 - below  # the EOS would be the (limit + below)-th token
-    events, done = decode(model, drafter, limit, reply[eos_at])
+    events, done = decode(backend, drafter, limit, reply[eos_at])
     assert list(done.token_ids) == reply[:limit]
     assert done.finish_reason == "length"
     assert sum(len(e.token_ids) for e in events) == limit
 
 
 def test_the_branch_is_really_accepted_whole(setup):
-    model, reply, eos_at = setup
-    events, done = decode(model, ChainOracle(PROMPT + reply, len(PROMPT) + eos_at), 100, reply[eos_at])
+    backend, reply, eos_at = setup
+    events, done = decode(backend, ChainOracle(PROMPT + reply, len(PROMPT) + eos_at), 100, reply[eos_at])
     assert list(done.token_ids) == reply[: eos_at + 1] and done.finish_reason == "eos"
     assert events[-1].token_ids[-1] == reply[eos_at] and events[-1].accepted == len(events[-1].token_ids)
     assert max(e.accepted for e in events) == 4
 
 
 def test_steps_near_the_context_edge_stay_inside_it(setup):
-    model, reply, _ = setup
+    backend, reply, _ = setup
+    model = backend.model
     context = len(PROMPT) + 13
     seen: list[int] = []
 
@@ -88,7 +89,7 @@ def test_steps_near_the_context_edge_stay_inside_it(setup):
     model.config.max_position_embeddings = context
     hook = model.model.register_forward_pre_hook(record, with_kwargs=True)
     try:
-        _, done = decode(model, ChainOracle(PROMPT + reply), 100)
+        _, done = decode(backend, ChainOracle(PROMPT + reply), 100)
     finally:
         hook.remove()
         model.config.max_position_embeddings = 512

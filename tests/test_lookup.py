@@ -16,7 +16,7 @@ from tests.helpers import (
     brute_force_continuations,
     plain_tokens,
     three_token_p_value,
-    tiny_model,
+    tiny_backend,
 )
 from tests.test_engine import PROMPT, random_heads
 
@@ -91,11 +91,11 @@ def test_merged_tree_buffers_equal_those_defined_by_the_same_paths(seed):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("mode", ["lookup", "hybrid"])
 def test_greedy_with_lookup_equals_plain_greedy(arch, mode):
-    model = tiny_model(arch)
-    reference = plain_tokens(model, PROMPT, 60)
-    base = MedusaDrafter(random_heads(model), load_tree("cpu-16")[1]) if mode == "hybrid" else None
+    backend = tiny_backend(arch)
+    reference = plain_tokens(backend, PROMPT, 60)
+    base = MedusaDrafter(random_heads(backend.model), load_tree("cpu-16")[1]) if mode == "hybrid" else None
     drafter = LookupDrafter(base, branches=3, length=5)
-    events, done = collect(stream(model, PROMPT, DecodeSettings(max_new_tokens=60), drafter))
+    events, done = collect(stream(backend, PROMPT, DecodeSettings(max_new_tokens=60), drafter))
     assert list(done.token_ids) == reference
     from_context = [s for e in events for s in e.sources if s in ("context", "both")]
     assert from_context  # tiny random models repeat themselves: lookups were accepted
@@ -106,9 +106,9 @@ def test_lossless_sampling_distribution_with_hybrid():
     """Chi-square of three sampled tokens against exact probabilities, with both sources
     proposing (often the same tokens: a 6-token vocabulary)."""
     vocab = 6
-    model = tiny_model("llama", vocab=vocab, seed=2)
+    backend = tiny_backend("llama", vocab=vocab, seed=2)
     prompt = [1, 4, 2, 1, 4]
-    heads = random_heads(model, num_heads=2, seed=5)
+    heads = random_heads(backend.model, num_heads=2, seed=5)
     drafter = LookupDrafter(MedusaDrafter(heads, build_tree([[0], [1], [0, 0], [1, 0]])), branches=2, length=3)
     kinds = Counter()
 
@@ -116,6 +116,6 @@ def test_lossless_sampling_distribution_with_hybrid():
         kinds.update(s for e in events for s in e.sources)
         kinds.update("proposed-" + s for e in events for s in e.node_sources)
 
-    p_value = three_token_p_value(model, prompt, vocab, drafter, on_events=count)
+    p_value = three_token_p_value(backend, prompt, vocab, drafter, on_events=count)
     assert kinds["context"] > 100 and kinds["heads"] > 100 and kinds["proposed-both"] > 100
     assert p_value > 1e-3

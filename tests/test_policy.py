@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from app.worker import ComputeThread
-from core.backends import lean as fast
 from core.backends import q4
 from core.decode.generate import collect, stream
 from core.decode.settings import DecodeSettings
 from core.decode.tree import load_preset
-from core.drafters.auto import AutoDrafter, auto_drafter
+from core.drafters.auto import AutoDrafter
+from core.drafters.build import auto_drafter
 from core.drafters.policy import (
     CONTEXT_DEPTH,
     CONTEXT_KEY,
@@ -28,7 +28,7 @@ from core.drafters.policy import (
     prior_reliability,
 )
 from core.measure import costs
-from tests.helpers import FAST_KERNELS, plain_tokens, three_token_p_value, tiny_model
+from tests.helpers import FAST_KERNELS, plain_tokens, three_token_p_value, tiny_backend, tiny_model
 from tests.test_engine import PROMPT, random_heads
 
 CHEAP = CostCurve({1: 10.0, 8: 10.5, 16: 11.0, 32: 12.0, 64: 14.0}, 0.1)
@@ -219,9 +219,10 @@ def switching_drafter(model, heads_seed=0, num_heads=4) -> AutoDrafter:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", *(f"llama+{k}" for k in FAST_KERNELS)])
 def test_greedy_is_exact_while_the_policy_switches_trees(arch):
-    model = tiny_model(arch)
-    reference = plain_tokens(model, PROMPT, 40)
-    events, done = collect(stream(model, PROMPT, DecodeSettings(max_new_tokens=40), switching_drafter(model)))
+    backend = tiny_backend(arch)
+    reference = plain_tokens(backend, PROMPT, 40)
+    drafter = switching_drafter(backend.model)
+    events, done = collect(stream(backend, PROMPT, DecodeSettings(max_new_tokens=40), drafter))
     assert list(done.token_ids) == reference
     sizes = {e.tree_size for e in events[1:]}
     assert 1 in sizes and max(sizes) > 8  # it really switched between plain and big trees
@@ -230,12 +231,12 @@ def test_greedy_is_exact_while_the_policy_switches_trees(arch):
 
 def test_lossless_sampling_with_switching_trees_keeps_the_distribution():
     vocab = 6
-    model = tiny_model("llama", vocab=vocab, seed=2)
+    backend = tiny_backend("llama", vocab=vocab, seed=2)
     prompt = [1, 4, 2]
-    drafter = switching_drafter(model, heads_seed=5, num_heads=2)
+    drafter = switching_drafter(backend.model, heads_seed=5, num_heads=2)
     sizes = Counter()
     p_value = three_token_p_value(
-        model, prompt, vocab, drafter, on_events=lambda ev: sizes.update(e.tree_size for e in ev[1:])
+        backend, prompt, vocab, drafter, on_events=lambda ev: sizes.update(e.tree_size for e in ev[1:])
     )
     assert sizes[1] > 100 and sum(v for k, v in sizes.items() if k > 1) > 100  # both kinds of step ran
     assert p_value > 1e-3
@@ -245,25 +246,25 @@ def test_lossless_sampling_with_switching_trees_keeps_the_distribution():
 
 
 def test_measured_curve_is_stored_and_reused(tmp_path):
-    model = tiny_model("llama+onednn" if "onednn" in FAST_KERNELS else "llama")
-    heads = random_heads(model)
+    backend = tiny_backend("llama+onednn" if "onednn" in FAST_KERNELS else "llama")
+    heads = random_heads(backend.model)
     said = []
     store = costs.CurveStore(tmp_path)
-    first = costs.StepCosts(model, heads, store, "key-1", said.append)
+    first = costs.StepCosts(backend, heads, store, "key-1", said.append)
     assert first.needed and first.curve() is None
     curve = first.measure()
     assert set(curve.step_ms) == set(costs.SIZES) and all(v > 0 for v in curve.step_ms.values())
     assert curve.heads_ms > 0 and first.seconds < costs.BUDGET_S
-    again = costs.StepCosts(model, heads, store, "key-1", said.append)
+    again = costs.StepCosts(backend, heads, store, "key-1", said.append)
     assert not again.needed and again.curve() == curve
-    assert not costs.StepCosts(model, heads, store, "key-2", said.append).curve()  # another machine or model
+    assert not costs.StepCosts(backend, heads, store, "key-2", said.append).curve()  # another machine or model
 
 
 def test_a_changed_kernel_library_measures_the_curve_again(monkeypatch):
-    model = tiny_model("llama")
-    key = costs.curve_key(model, fast.describe(model), None)
+    backend = tiny_backend("llama")
+    key = costs.curve_key(backend, None)
     monkeypatch.setattr(q4, "_source", lambda: b"a changed kernel library")
-    assert costs.curve_key(model, fast.describe(model), None) != key
+    assert costs.curve_key(backend, None) != key
 
 
 @pytest.mark.parametrize(
@@ -280,7 +281,7 @@ def test_a_damaged_or_stale_curve_is_measured_again(tmp_path, damage):
     store.save("k", CostCurve({1: 10.0, 8: 20.0}, 1.0))
     damage(store.path("k"))
     said = []
-    step_costs = costs.StepCosts(tiny_model(), None, store, "k", said.append)
+    step_costs = costs.StepCosts(tiny_backend(), None, store, "k", said.append)
     assert step_costs.needed and len(said) == 1 and "measuring this machine again" in said[0]
     assert not store.path("k").exists()
     assert step_costs.measure() is not None and store.load("k") == step_costs.curve()

@@ -13,15 +13,17 @@ import torch
 from transformers import DynamicCache
 
 from core.backends import lean as fast
+from core.backends.torch import TorchBackend
 from core.decode import precision
 from core.decode.generate import collect, stream
 from core.decode.settings import DecodeSettings
 from core.decode.tree import load_preset
+from core.drafters.build import make_drafter
 from core.drafters.eagle import EagleDraft, init_from_backbone
 from core.drafters.eagle_tree import eagle_drafter
-from core.drafters.fixed import MedusaDrafter, make_drafter
+from core.drafters.fixed import MedusaDrafter
 from models.heads import MedusaHeads
-from tests.helpers import library_builds, tiny_model
+from tests.helpers import library_builds, tiny_backend, tiny_model
 from tests.tiny_folder import save_tiny_model
 
 ROUNDING = "exact up to {} rounding"
@@ -46,36 +48,35 @@ def nf4_model(tmp_path_factory):
 
 
 def test_exactness_per_precision(nf4_model):
-    fp32 = tiny_model("llama")
+    fp32 = tiny_backend("llama")
     assert precision.exactness(fp32) == precision.EXACT
     assert precision.exactness(fp32, DecodeSettings(acceptance="typical", temperature=0.5)) == precision.TYPICAL
     for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float16, "float16")):
-        assert precision.exactness(tiny_model("llama").to(dtype)) == ROUNDING.format(name)
+        assert precision.exactness(TorchBackend(tiny_model("llama").to(dtype))) == ROUNDING.format(name)
     # float32 asked for with nf4: the layers compute in bf16, and the note says so
     assert nf4_model.model.dtype == torch.float32 and precision.quantization(nf4_model.model) == "nf4"
-    assert precision.exactness(nf4_model.model) == ROUNDING.format("bfloat16")
+    assert precision.exactness(nf4_model.backend) == ROUNDING.format("bfloat16")
     on_gpu = SimpleNamespace(dtype=torch.float32, device=torch.device("cuda", 0), config=SimpleNamespace())
-    assert precision.exactness(on_gpu) == ROUNDING.format("float32")  # cuBLAS picks its kernels by shape
-    assert precision.exactness(tiny_model("llama").to(torch.bfloat16), tree=False) == precision.EXACT
+    assert precision.exactness(TorchBackend(on_gpu)) == ROUNDING.format("float32")  # cuBLAS picks kernels by shape
+    assert precision.exactness(TorchBackend(tiny_model("llama").to(torch.bfloat16)), tree=False) == precision.EXACT
 
 
 def test_the_library_decoder_is_exact_in_bf16():
     if not (fast.kernel_works("q4", torch.bfloat16) or library_builds()):
         pytest.skip("the kernel library does not run here")
-    assert precision.exactness(tiny_model("llama+q4")) == precision.EXACT
+    assert precision.exactness(tiny_backend("llama+q4")) == precision.EXACT
 
 
 def test_replies_say_what_they_promise(nf4_model):
-    model = nf4_model.model
+    model, backend = nf4_model.model, nf4_model.backend
     drafter = MedusaDrafter(heads_for(model), load_preset("cpu-8").tree)
-    _, tree = collect(stream(model, PROMPT, DecodeSettings(max_new_tokens=12), drafter))
-    _, plain = collect(stream(model, PROMPT, DecodeSettings(max_new_tokens=12)))
+    _, tree = collect(stream(backend, PROMPT, DecodeSettings(max_new_tokens=12), drafter))
+    _, plain = collect(stream(backend, PROMPT, DecodeSettings(max_new_tokens=12)))
     assert tree.exactness == ROUNDING.format("bfloat16") and plain.exactness == precision.EXACT
-    fp32 = tiny_model("llama")
+    fp32 = tiny_backend("llama")
+    heads = heads_for(fp32.model)
     _, exact = collect(
-        stream(
-            fp32, PROMPT, DecodeSettings(max_new_tokens=6), MedusaDrafter(heads_for(fp32), load_preset("cpu-8").tree)
-        )
+        stream(fp32, PROMPT, DecodeSettings(max_new_tokens=6), MedusaDrafter(heads, load_preset("cpu-8").tree))
     )
     assert exact.exactness == precision.EXACT
 
@@ -88,13 +89,14 @@ def test_the_chat_and_the_api_show_the_note(nf4_model):
         engine.loaded = Loaded(nf4_model, None, True, "cpu-8", None)
         status = engine.status()
         assert "nf4 weights, bfloat16 on cpu" in status and "lossless is exact up to bfloat16 rounding" in status
-        engine.loaded = Loaded(SimpleNamespace(model=tiny_model("llama")), None, True, "cpu-8", None)
+        plain = tiny_backend("llama")
+        engine.loaded = Loaded(SimpleNamespace(model=plain.model, backend=plain), None, True, "cpu-8", None)
         assert "exact up to" not in engine.status()
     finally:
         engine.close()
     _, done = collect(
         stream(
-            nf4_model.model,
+            nf4_model.backend,
             PROMPT,
             DecodeSettings(max_new_tokens=4),
             make_drafter("lookup", None, load_preset("cpu-8").tree),
@@ -109,7 +111,7 @@ def test_bench_reports_the_agreement_in_its_precision(nf4_model):
     model = nf4_model.model
     drafters = {"medusa": MedusaDrafter(heads_for(model), load_preset("cpu-8").tree)}
     runs = run_bench(
-        [PROMPT, PROMPT[:5]], ("medusa", "baseline"), model, DecodeSettings(max_new_tokens=8), drafters, ()
+        [PROMPT, PROMPT[:5]], ("medusa", "baseline"), nf4_model.backend, DecodeSettings(max_new_tokens=8), drafters, ()
     )
     summary = summarize(runs)
     label = precision_label(model)
@@ -157,7 +159,8 @@ def _deprecation(w: warnings.WarningMessage) -> bool:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_the_decode_paths_raise_no_deprecation_warning(arch):
-    model = tiny_model(arch)
+    backend = tiny_backend(arch)
+    model = backend.model
     tree = load_preset("cpu-8").tree
     eagle = EagleDraft(model, torch.arange(model.config.vocab_size), taps=(1,))  # reads a tapped stream too
     init_from_backbone(eagle, model)
@@ -166,7 +169,7 @@ def test_the_decode_paths_raise_no_deprecation_warning(arch):
     with no_transformers_deprecations():
         for drafter in drafters:
             for settings in (DecodeSettings(max_new_tokens=10), DecodeSettings(temperature=1.0, max_new_tokens=10)):
-                collect(stream(model, PROMPT, settings, drafter, generator=torch.Generator().manual_seed(0)))
+                collect(stream(backend, PROMPT, settings, drafter, generator=torch.Generator().manual_seed(0)))
         with torch.inference_mode():  # the draft layer's own forward (training and features) on a transformers cache
             ids = torch.tensor([PROMPT])
             features = torch.zeros(1, len(PROMPT), model.config.hidden_size)
@@ -176,7 +179,7 @@ def test_the_decode_paths_raise_no_deprecation_warning(arch):
 def test_the_stock_peer_decodes_without_deprecation_warnings():
     from app.bench import run_once
 
-    model = tiny_model("llama")
+    backend = tiny_backend("llama")
     with no_transformers_deprecations():
         for mode in ("hf", "hf-pld"):
-            run_once(mode, model, PROMPT, DecodeSettings(max_new_tokens=6), {}, (0,), 0)
+            run_once(mode, backend, PROMPT, DecodeSettings(max_new_tokens=6), {}, (0,), 0)

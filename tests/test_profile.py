@@ -10,12 +10,11 @@ import pytest
 import torch
 
 from core.measure import profile
-from tests.helpers import tiny_model
+from tests.helpers import tiny_backend
 
 
 def test_step_costs_cover_every_size_and_part():
-    model = tiny_model("llama")
-    costs = profile.step_costs(model, list(range(1, 40)), None, sizes=(1, 2, 8, 64), repeats=1)
+    costs = profile.step_costs(tiny_backend("llama"), list(range(1, 40)), None, sizes=(1, 2, 8, 64), repeats=1)
     assert [c.nodes for c in costs] == [1, 2, 8, 64]
     for c in costs:
         assert c.total_ms > 0 and c.layers_ms > 0 and c.lm_head_ms > 0 and c.accept_ms > 0

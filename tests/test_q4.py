@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from core.backends import lean as fast
-from core.backends import q4
+from core.backends import q4, quantize
 from tests.helpers import library_builds
 
 
@@ -57,7 +57,7 @@ def test_kernel_matches_its_reference(variant, out, inp, rows):
     x = torch.randn(rows, inp, generator=gen).to(torch.bfloat16)
     x[0, :5] *= 30  # an outlier sets its group's scale
     got = packed(weight, bias, variant)(x).float()
-    want = q4.reference(x, weight, bias)
+    want = quantize.reference(x, weight, bias)
     assert (got - want).abs().max() <= 1e-2 * want.abs().max()
 
 
@@ -94,7 +94,8 @@ def _only_artifact(folder):
 def _launch(cache) -> subprocess.CompletedProcess:
     """A later launch: a new process loads the kernel from the user cache `cache`."""
     code = (
-        "import sys; from core.backends import q4; lib = q4.library(); sys.exit(lib is None or lib.q4_version() != q4.VERSION)"
+        "import sys; from core.backends import q4; lib = q4.library(); "
+        "sys.exit(lib is None or lib.q4_version() != q4.VERSION)"
     )
     env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -205,14 +206,14 @@ def test_weights_are_quantized_in_c_as_in_torch(bits):
     gen = torch.Generator().manual_seed(7)
     weight = (torch.randn(48, 96, generator=gen) * 0.05).to(torch.bfloat16)
     layer = q4.Packed(loaded(), weight, None, bits=bits)
-    tiles, groups = 48 // q4.TILE, 96 // q4.GROUP
+    tiles, groups = 48 // q4.TILE, 96 // quantize.GROUP
 
     def by_tile(x):
         return x.view(tiles, q4.TILE, groups).transpose(1, 2).flatten()
 
     if bits == 4:
-        _, step, low = q4.quantize(weight)
+        _, step, low = quantize.quantize(weight)
         assert torch.equal(layer.m, by_tile(low).half())
     else:
-        _, step = q4.quantize8(weight)
+        _, step = quantize.quantize8(weight)
     assert torch.equal(layer.d, by_tile(step).half())

@@ -82,14 +82,14 @@ def test_cpu_nf4_on_a_gpu_host_loads_and_decodes_on_the_cpu(tiny, monkeypatch):
     assert type(model.model.layers[0].mlp.up_proj).__name__ == "Linear4bit"
     assert {p.device.type for p in model.parameters()} == {"cpu"}
     monkeypatch.undo()  # decoding asks torch about the GPU too: the truth from here on
-    _, done = collect(stream(model, [5, 6, 7, 8], DecodeSettings(max_new_tokens=6)))
+    _, done = collect(stream(backbone.backend, [5, 6, 7, 8], DecodeSettings(max_new_tokens=6)))
     assert len(done.token_ids) == 6 and done.exactness == "exact"  # plain decoding is the reference itself
 
 
 def test_cpu_nf4_needs_a_bitsandbytes_that_runs_on_the_cpu(tiny, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(
-        loader.importlib.util,
+        importlib.util,
         "find_spec",
         lambda name, *a: None if name == "bitsandbytes.backends.cpu" else real(name, *a),
     )

@@ -1,4 +1,4 @@
-"""Invariants of app.render: step boundaries change nothing but the spans, and nothing a reply
+"""Invariants of app.render (and app.panels' stats): step boundaries change nothing but the spans, and nothing a reply
 or a chat file holds reaches an attribute unescaped or makes the page load a remote address."""
 
 import html
@@ -7,7 +7,8 @@ import re
 from html.parser import HTMLParser
 from itertools import pairwise
 
-from app.render import reply_html, stats_html, text_html
+from app.panels import stats_html
+from app.render import reply_html, text_html
 
 LINKS = "See [a](http://example.com/x?y=1) and ![i](http://img.example/p.png) or <http://auto.example> `code`."
 DOC = (

@@ -19,7 +19,7 @@ from core.drafters.fixed import LookupDrafter, MedusaDrafter
 from core.drafters.policy import RETRIEVAL_PRIOR, CostCurve, Policy
 from core.drafters.retrieval import MAX_MATCH, MIN_MATCH, Corpus, SuffixIndex, evidence, load_corpus, save_corpus
 from core.errors import UserError
-from tests.helpers import plain_tokens, three_token_p_value, tiny_model
+from tests.helpers import plain_tokens, three_token_p_value, tiny_backend
 from tests.test_engine import PROMPT, random_heads
 
 MODERATE = CostCurve({1: 10.0, 2: 10.5, 4: 11.0, 8: 14.0, 16: 20.0, 32: 32.0, 64: 60.0}, 2.0)
@@ -100,33 +100,33 @@ def test_corpus_file_round_trip_and_damage(tmp_path):
         load_corpus(file, vocab_size=10)
 
 
-def own_replies(model, n=60, noise=0.3, seed=0):
+def own_replies(backend, n=60, noise=0.3, seed=0):
     """The model's own greedy reply to PROMPT, and copies of it with tokens changed at random."""
-    reply = plain_tokens(model, PROMPT, n)
+    reply = plain_tokens(backend, PROMPT, n)
     rng = random.Random(seed)
-    vocab = model.config.vocab_size
+    vocab = backend.model.config.vocab_size
     noisy = [[t if rng.random() > noise else rng.randrange(vocab) for t in reply] for _ in range(3)]
     return reply, Corpus(SuffixIndex([*noisy, reply[: n // 2]]))
 
 
 @pytest.mark.parametrize("hybrid", [False, True])
 def test_greedy_with_retrieval_equals_plain_greedy(hybrid):
-    model = tiny_model("llama")
-    reference, corpus = own_replies(model)
-    base = MedusaDrafter(random_heads(model), load_tree("cpu-8")[1]) if hybrid else None
+    backend = tiny_backend("llama")
+    reference, corpus = own_replies(backend)
+    base = MedusaDrafter(random_heads(backend.model), load_tree("cpu-8")[1]) if hybrid else None
     drafter = LookupDrafter(base, branches=2, length=6, corpus=corpus, context=hybrid)
-    events, done = collect(stream(model, PROMPT, DecodeSettings(max_new_tokens=60), drafter))
+    events, done = collect(stream(backend, PROMPT, DecodeSettings(max_new_tokens=60), drafter))
     assert list(done.token_ids) == reference
     assert sum(s == "retrieval" for e in events for s in e.sources) > 5  # retrieved drafts were accepted
 
 
 @pytest.mark.parametrize("context", [False, True])
 def test_greedy_is_exact_with_the_policy_drafting_from_retrieval(context):
-    model = tiny_model("llama")
-    reference, corpus = own_replies(model)
+    backend = tiny_backend("llama")
+    reference, corpus = own_replies(backend)
     policy = Policy(lambda: FLAT, None, use_heads=False, use_lookup=context, use_retrieval=True)
     drafter = AutoDrafter(None, policy, branches=1, length=4, corpus=corpus)
-    events, done = collect(stream(model, PROMPT, DecodeSettings(max_new_tokens=60), drafter))
+    events, done = collect(stream(backend, PROMPT, DecodeSettings(max_new_tokens=60), drafter))
     assert list(done.token_ids) == reference
     assert sum(s == "retrieval" for e in events for s in e.sources) > 5
     assert any("retrieval nodes" in e.choice for e in events[1:])
@@ -148,14 +148,14 @@ def test_two_lookups_that_disagree_add_up_their_chances():
 
 def test_lossless_sampling_distribution_with_retrieval():
     vocab = 6
-    model = tiny_model("llama", vocab=vocab, seed=2)
+    backend = tiny_backend("llama", vocab=vocab, seed=2)
     rng = random.Random(3)
     corpus = Corpus(SuffixIndex([[rng.randrange(vocab) for _ in range(30)] for _ in range(20)]))
-    heads = random_heads(model, num_heads=2, seed=5)
+    heads = random_heads(backend.model, num_heads=2, seed=5)
     drafter = LookupDrafter(MedusaDrafter(heads, build_tree([[0], [1]])), 2, 3, corpus=corpus, context=False)
     kinds = Counter()
     p_value = three_token_p_value(
-        model, [1, 4, 2], vocab, drafter, on_events=lambda ev: kinds.update(s for e in ev for s in e.node_sources)
+        backend, [1, 4, 2], vocab, drafter, on_events=lambda ev: kinds.update(s for e in ev for s in e.node_sources)
     )
     assert kinds["retrieval"] > 100
     assert p_value > 1e-3

@@ -7,13 +7,15 @@ from collections import Counter
 import pytest
 import torch
 
-from core.decode.step import NoDrafter
+from core.drafters.base import NoDrafter
 from core.drafters.switch import EVERY, FIRST_GAP, MAX_GAP, TURNS, Fastest
 
 TRIAL = 2 * TURNS  # the steps of a trial between two drafters
 
 
 class Fake(NoDrafter):
+    reads_features = True
+
     def __init__(self) -> None:
         super().__init__()
         self.fed, self.observed = 0, 0

@@ -1,7 +1,7 @@
 from core.decode.generate import collect, stream
 from core.decode.settings import DecodeSettings
 from core.decode.text import Detokenizer
-from tests.helpers import plain_tokens, tiny_model
+from tests.helpers import plain_tokens, tiny_backend
 
 
 class Utf8Bytes:
@@ -54,10 +54,10 @@ class Table:
 
 def test_a_reply_cut_at_its_token_limit_mid_character_does_not_end_in_ufffd():
     """Old: the reply's text ended in U+FFFD when max_new_tokens cut a character in two."""
-    model, prompt, n = tiny_model(), [1, 2, 3, 4], 6
-    ids = plain_tokens(model, prompt, n)
+    backend, prompt, n = tiny_backend(), [1, 2, 3, 4], 6
+    ids = plain_tokens(backend, prompt, n)
     decoder = Table({ids[-1]: "€".encode()[:2]})  # the reply's last token: two of the three bytes of "€"
-    events, done = collect(stream(model, prompt, DecodeSettings(max_new_tokens=n), None, decoder))
+    events, done = collect(stream(backend, prompt, DecodeSettings(max_new_tokens=n), None, decoder))
     assert list(done.token_ids) == ids and done.finish_reason == "length"
     assert not done.text.endswith("\ufffd") and done.text == decoder.decode(ids[:-1])
     assert "".join(e.text for e in events) == done.text  # what was streamed is what is kept

@@ -7,12 +7,11 @@ import sys
 import pytest
 import torch
 
-from core.backends.lean import forward_of
 from core.decode.generate import collect, stream
 from core.decode.settings import DecodeSettings
 from core.train import heads as train
 from models.heads import MedusaHeads, load_heads
-from tests.helpers import tiny_model
+from tests.helpers import tiny_backend, tiny_model
 
 PROMPTS = [[1, 5, 9], [1, 7, 7, 3, 2], [1, 4], [1, 8, 8, 8], [1, 3, 6, 9, 12, 15]]
 
@@ -38,20 +37,20 @@ def test_features_align_hidden_states_with_their_targets():
 
 
 def test_distill_matches_greedy_decoding_and_resumes(tmp_path):
-    model = tiny_model("llama")
+    backend = tiny_backend("llama")
     out = tmp_path / "transcripts.jsonl"
     eos, pad = (95,), 0
-    assert train.distill(model, PROMPTS, out, eos, pad, batch_size=2, max_new_tokens=6) == 5
+    assert train.distill(backend, PROMPTS, out, eos, pad, batch_size=2, max_new_tokens=6) == 5
     first = train.read_records(out)
     for r in first:  # left-padded batches answer exactly like one-at-a-time greedy decoding
-        _, done = collect(stream(model, r["prompt_ids"], DecodeSettings(max_new_tokens=6), eos_ids=eos))
+        _, done = collect(stream(backend, r["prompt_ids"], DecodeSettings(max_new_tokens=6), eos_ids=eos))
         assert r["answer_ids"] == list(done.token_ids)
     assert sorted(r["index"] for r in first) == [0, 1, 2, 3, 4]
 
     lines = out.read_text().splitlines()  # an interruption: two complete lines and half of one
     out.write_text("\n".join(lines[:2]) + "\n" + lines[2][:10])
     assert train.done_records(out) == 2
-    assert train.distill(model, PROMPTS, out, eos, pad, batch_size=2, max_new_tokens=6) == 3
+    assert train.distill(backend, PROMPTS, out, eos, pad, batch_size=2, max_new_tokens=6) == 3
     again = train.read_records(out)
     assert again[:2] == first[:2] and sorted(r["index"] for r in again) == [0, 1, 2, 3, 4]
     assert {r["index"]: r["answer_ids"] for r in again} == {r["index"]: r["answer_ids"] for r in first}
@@ -60,53 +59,53 @@ def test_distill_matches_greedy_decoding_and_resumes(tmp_path):
 def test_on_a_cpu_the_lean_forward_answers_one_at_a_time_as_batches_do(tmp_path):
     eos, pad = (95,), 0
     batched, lean = tmp_path / "batched.jsonl", tmp_path / "lean.jsonl"
-    train.distill(tiny_model("llama"), PROMPTS, batched, eos, pad, batch_size=3, max_new_tokens=8)
-    model = tiny_model("llama+dense")  # the same weights, served by core.backends.lean
-    assert forward_of(model) is not None
-    train.distill(model, PROMPTS, lean, eos, pad, batch_size=3, max_new_tokens=8)
+    train.distill(tiny_backend("llama"), PROMPTS, batched, eos, pad, batch_size=3, max_new_tokens=8)
+    backend = tiny_backend("llama+dense")  # the same weights, served by core.backends.lean
+    assert backend.layer_kernel == "dense"
+    train.distill(backend, PROMPTS, lean, eos, pad, batch_size=3, max_new_tokens=8)
     assert sorted(map(str, train.read_records(lean))) == sorted(map(str, train.read_records(batched)))
 
 
 def test_a_rerun_with_a_higher_cap_continues_the_replies_it_cut(tmp_path):
-    model = tiny_model("llama")
+    backend = tiny_backend("llama")
     eos, pad = (95,), 0
     whole = tmp_path / "whole.jsonl"
-    train.distill(model, PROMPTS, whole, eos, pad, batch_size=2, max_new_tokens=12)
+    train.distill(backend, PROMPTS, whole, eos, pad, batch_size=2, max_new_tokens=12)
     expected = {r["index"]: r["answer_ids"] for r in train.read_records(whole)}
 
     out = tmp_path / "transcripts.jsonl"
-    train.distill(model, PROMPTS, out, eos, pad, batch_size=2, max_new_tokens=4)
+    train.distill(backend, PROMPTS, out, eos, pad, batch_size=2, max_new_tokens=4)
     short = {r["index"]: r["answer_ids"] for r in train.read_records(out)}
     cut = [i for i, a in short.items() if train.unfinished({"answer_ids": a}, eos, 12)]
-    assert cut, "the tiny model should run into the low cap"
-    assert train.distill(model, PROMPTS, out, eos, pad, batch_size=2, max_new_tokens=12) == len(cut)
+    assert cut, "the tiny backend should run into the low cap"
+    assert train.distill(backend, PROMPTS, out, eos, pad, batch_size=2, max_new_tokens=12) == len(cut)
     longer = {r["index"]: r["answer_ids"] for r in train.read_records(out)}
     assert longer == expected  # continuing a cut reply gives what one longer run gives
-    assert train.distill(model, PROMPTS, out, eos, pad, batch_size=2, max_new_tokens=12) == 0
+    assert train.distill(backend, PROMPTS, out, eos, pad, batch_size=2, max_new_tokens=12) == 0
 
 
 def test_sampled_replies_are_reproducible_draws_and_resume(tmp_path):
-    model = tiny_model("llama")
+    backend = tiny_backend("llama")
     eos, pad = (95,), 0
     out = tmp_path / "sampled-1.jsonl"
-    assert train.distill(model, PROMPTS, out, eos, pad, max_new_tokens=10, sample=1, indices=[0, 2, 3]) == 3
+    assert train.distill(backend, PROMPTS, out, eos, pad, max_new_tokens=10, sample=1, indices=[0, 2, 3]) == 3
     records = train.read_records(out)
     assert sorted(r["index"] for r in records) == [0, 2, 3]
     settings = DecodeSettings(temperature=train.SAMPLED.temperature, top_p=train.SAMPLED.top_p, max_new_tokens=10)
     for r in records:  # each reply is the loop's draw from its own seeded generator
         generator = torch.Generator().manual_seed(train.SEED_STRIDE + r["index"])
-        _, done = collect(stream(model, r["prompt_ids"], settings, eos_ids=eos, generator=generator))
+        _, done = collect(stream(backend, r["prompt_ids"], settings, eos_ids=eos, generator=generator))
         assert r["answer_ids"] == list(done.token_ids)
     greedy = tmp_path / "greedy.jsonl"
-    train.distill(model, PROMPTS, greedy, eos, pad, max_new_tokens=10, indices=[0, 2, 3])
+    train.distill(backend, PROMPTS, greedy, eos, pad, max_new_tokens=10, indices=[0, 2, 3])
     assert {r["index"]: r["answer_ids"] for r in train.read_records(greedy)} != {
         r["index"]: r["answer_ids"] for r in records
     }
     other = tmp_path / "sampled-2.jsonl"
-    train.distill(model, PROMPTS, other, eos, pad, max_new_tokens=10, sample=2, indices=[0, 2, 3])
+    train.distill(backend, PROMPTS, other, eos, pad, max_new_tokens=10, sample=2, indices=[0, 2, 3])
     assert [r["answer_ids"] for r in train.read_records(other)] != [r["answer_ids"] for r in records]
-    assert train.distill(model, PROMPTS, out, eos, pad, max_new_tokens=10, sample=1, indices=[0, 2, 3]) == 0
-    assert train.distill(model, PROMPTS, out, eos, pad, max_new_tokens=10, sample=1) == 2  # the other prompts
+    assert train.distill(backend, PROMPTS, out, eos, pad, max_new_tokens=10, sample=1, indices=[0, 2, 3]) == 0
+    assert train.distill(backend, PROMPTS, out, eos, pad, max_new_tokens=10, sample=1) == 2  # the other prompts
 
 
 def test_cached_head_features_belong_to_the_transcripts_they_came_from(tmp_path):

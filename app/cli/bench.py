@@ -41,35 +41,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from app.bench import (
-        STOCK_DTYPES,
         TREE_MODES,
         agreement,
         by_category,
         category_table,
-        check_modes,
         context_table,
         is_fixed,
         precision_label,
         run_bench,
-        speedups,
         summarize,
         table,
     )
-    from core.backends import lean as fast
     from core.decode import precision
-    from core.decode.tree import AUTO, load_preset
-    from core.measure.kernels import native_bf16
-    from models.stock import stock_peers
 
-    if args.modes:
-        modes = check_modes(args.modes.split(","))
-    else:
-        default = args.drafter or (load_preset(args.tree).drafter if args.tree != AUTO else None)
-        bf16 = ("hf-bf16",) if native_bf16() or torch.cuda.is_available() else ()  # stock's fastest dtype too
-        modes = (default or "default", "baseline", "hf", *bf16, "hf-pld")
+    # 1) what runs: the modes, the prompts (checked before anything loads)
+    modes = _modes(args)
     lengths = _lengths(args.context)
     if not args.prompts and not lengths:
         raise UserError("bench needs a prompt file: pass --prompts FILE (or --context N,… for the shipped prompts).")
@@ -80,49 +67,37 @@ def run(args: argparse.Namespace) -> int:
     check_seeds(args.seed, len(prompts), "prompts")  # prompt i is seeded with --seed + i
     kinds = tuple(m for m in modes if m in TREE_MODES)
     fixed = tuple(m for m in modes if is_fixed(m))
+    # 2) the model, its drafters and the other engines
     settings, backbone, drafters, preset, costs = setup(args, kinds if kinds or fixed else None, fixed)
     if costs is not None:  # measured before anything else runs, so nothing distorts it
         costs.measure()
     if "default" in modes:  # the model's own drafter
         modes = (next(iter(drafters)), *modes[1:])
-    peers = {}
-    if "llamacpp" in modes:
-        peers["llamacpp"] = _llamacpp(args.model, max(lengths, default=0) + settings.max_new_tokens)
-        modes = tuple(m for m in modes if m != "llamacpp" or peers["llamacpp"])
-    # one copy per dtype; on a GPU in the backbone's own 4-bit setting, or skipped where memory is short
-    stock, skipped = stock_peers(backbone, {m: STOCK_DTYPES[m] for m in modes if m in STOCK_DTYPES})
-    for sentence in skipped:
-        print(sentence, file=sys.stderr)
-    modes = tuple(m for m in modes if m not in STOCK_DTYPES or m in stock)
+    modes, peers, stock = _peers(args.model, modes, backbone, max(lengths, default=0) + settings.max_new_tokens)
     encoded = [backbone.encode_chat(p, args.system) for p in prompts]
     print(
         f"bench: {len(prompts)} prompts × {', '.join(modes)} on {args.model} "
-        f"({precision_label(backbone.model)}, {fast.describe(backbone.model)} forward)",
+        f"({precision_label(backbone.model)}, {backbone.backend.describe()} forward)",
         file=sys.stderr,
     )
 
-    def progress(run) -> None:
-        print(
-            f"  prompt {run.prompt + 1:>3} {run.mode:<9} {run.tokens:>4} tokens "
-            f"{run.steps:>4} steps {run.seconds:6.2f} s",
-            file=sys.stderr,
-        )
-
     def bench(prompt_ids: list[list[int]]) -> list:
         return run_bench(
-            prompt_ids, modes, backbone.model, settings, drafters, backbone.eos_ids, args.seed, progress, peers, stock
+            prompt_ids, modes, backbone.backend, settings, drafters, backbone.eos_ids, args.seed, _log_run, peers, stock
         )
 
+    # 3) every prompt in every mode, interleaved per prompt
     rows = []
     if lengths:  # every prompt at every length, numbered on from one length to the next
         runs, rows = _by_context(backbone, prompts, lengths, args.system, settings, bench)
     else:
         runs = bench(encoded)
     replies = len(prompts) * (len(lengths) or 1)  # per mode
+    # 4) the tables, and the --json report
     summary = summarize(runs)
     per_category = by_category(runs, categories) if not lengths else {}  # by length instead
     print(table(summary, replies))
-    exactness = precision.exactness(backbone.model, settings)
+    exactness = precision.exactness(backbone.backend, settings)
     print(f"{agreement(summary, replies, precision_label(backbone.model))} ({exactness})", file=sys.stderr)
     if per_category:
         print()
@@ -131,26 +106,89 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(context_table(rows))
     if args.json_out:
-        report = {
-            "model": args.model,
-            "dtype": str(backbone.model.dtype).removeprefix("torch."),
-            "forward": fast.describe(backbone.model),
-            "precision": precision_label(backbone.model),
-            "exactness": exactness,
-            "agreement": {m: s.exact for m, s in summary.items() if s.exact is not None},
-            "tree": args.tree if args.tree == AUTO else preset.name,
-            "lookup": {"branches": preset.lookup_branches, "length": preset.lookup_length},
-            "settings": asdict(settings),
-            "prompts": len(prompts),
-            "summary": {m: asdict(s) for m, s in summary.items()},
-            "speedup": speedups(summary, modes[0]),
-            "speedups": {m: speedups(summary, m) for m in modes if m in TREE_MODES or is_fixed(m)},
-            "categories": {c: {m: asdict(s) for m, s in per.items()} for c, per in per_category.items()},
-            "runs": [asdict(r) for r in runs],
-            "contexts": [asdict(r) for r in rows],
-        }
+        report = _report(
+            args, backbone, settings, preset, len(prompts), modes, summary, per_category, runs, rows, exactness
+        )
         _save(json.dumps(report, indent=2) + "\n", Path(args.json_out).expanduser())
     return 0
+
+
+def _log_run(run) -> None:
+    """One line on stderr per finished run."""
+    print(
+        f"  prompt {run.prompt + 1:>3} {run.mode:<9} {run.tokens:>4} tokens {run.steps:>4} steps {run.seconds:6.2f} s",
+        file=sys.stderr,
+    )
+
+
+def _modes(args: argparse.Namespace) -> tuple[str, ...]:
+    """--modes (checked), or by default the drafter (the model's own: "default"), our plain loop,
+    stock transformers (also in bf16 where that is its fastest dtype) and its prompt lookup."""
+    import torch
+
+    from app.bench import check_modes
+    from core.decode.tree import AUTO, load_preset
+    from core.measure.kernels import native_bf16
+
+    if args.modes:
+        return check_modes(args.modes.split(","))
+    default = args.drafter or (load_preset(args.tree).drafter if args.tree != AUTO else None)
+    bf16 = ("hf-bf16",) if native_bf16() or torch.cuda.is_available() else ()  # stock's fastest dtype too
+    return (default or "default", "baseline", "hf", *bf16, "hf-pld")
+
+
+def _peers(model: str, modes: tuple[str, ...], backbone, context: int) -> tuple[tuple[str, ...], dict, dict]:
+    """(modes, llama.cpp peers, stock copies): the other engines loaded for prompts and replies up to
+    `context` tokens, and the modes left (without llama.cpp if missing, nor stock copies skipped)."""
+    from app.bench import STOCK_DTYPES
+    from models.stock import stock_peers
+
+    peers = {}
+    if "llamacpp" in modes:
+        peers["llamacpp"] = _llamacpp(model, context)
+        modes = tuple(m for m in modes if m != "llamacpp" or peers["llamacpp"])
+    # one copy per dtype; on a GPU in the backbone's own 4-bit setting, or skipped where memory is short
+    stock, skipped = stock_peers(backbone, {m: STOCK_DTYPES[m] for m in modes if m in STOCK_DTYPES})
+    for sentence in skipped:
+        print(sentence, file=sys.stderr)
+    return tuple(m for m in modes if m not in STOCK_DTYPES or m in stock), peers, stock
+
+
+def _report(
+    args: argparse.Namespace,
+    backbone,
+    settings,
+    preset,
+    prompts: int,
+    modes: tuple[str, ...],
+    summary: dict,
+    per_category: dict,
+    runs: list,
+    rows: list,
+    exactness: str,
+) -> dict:
+    """The --json report: the model and how it ran, the settings, the summary and every run."""
+    from app.bench import TREE_MODES, is_fixed, precision_label, speedups
+    from core.decode.tree import AUTO
+
+    return {
+        "model": args.model,
+        "dtype": str(backbone.model.dtype).removeprefix("torch."),
+        "forward": backbone.backend.describe(),
+        "precision": precision_label(backbone.model),
+        "exactness": exactness,
+        "agreement": {m: s.exact for m, s in summary.items() if s.exact is not None},
+        "tree": args.tree if args.tree == AUTO else preset.name,
+        "lookup": {"branches": preset.lookup_branches, "length": preset.lookup_length},
+        "settings": asdict(settings),
+        "prompts": prompts,
+        "summary": {m: asdict(s) for m, s in summary.items()},
+        "speedup": speedups(summary, modes[0]),
+        "speedups": {m: speedups(summary, m) for m in modes if m in TREE_MODES or is_fixed(m)},
+        "categories": {c: {m: asdict(s) for m, s in per.items()} for c, per in per_category.items()},
+        "runs": [asdict(r) for r in runs],
+        "contexts": [asdict(r) for r in rows],
+    }
 
 
 def _save(text: str, out: Path) -> None:

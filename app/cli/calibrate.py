@@ -53,8 +53,8 @@ def run(args: argparse.Namespace) -> int:
     with tqdm(total=len(prompts), desc="greedy replies", unit="prompt") as bar:
         encoded = [backbone.encode_chat(p) for p in prompts]
         result = cal.calibrate(
-            model, heads, encoded, backbone.eos_ids, backbone.pad_id, args.max_new_tokens, budgets, cal.LOOKUP_SETTINGS,
-            lambda n: bar.update(n), lambda text: print(text, file=sys.stderr),
+            backbone.backend, heads, encoded, backbone.eos_ids, backbone.pad_id, args.max_new_tokens, budgets,
+            cal.LOOKUP_SETTINGS, lambda n: bar.update(n), lambda text: print(text, file=sys.stderr),
         )  # fmt: skip
     ranked, accuracy, verify_ms = result.ranked, result.accuracy, result.verify_ms
     heads_ms, lookup_ms, plain_ms, replies = result.heads_ms, result.lookup_ms, result.plain_ms, result.replies

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         # trees the policy picks from timings) must not change the samples after it
         generator = torch.Generator(backbone.model.device).manual_seed(args.seed + i)
         events = stream(
-            backbone.model,
+            backbone.backend,
             prompt_ids,
             settings,
             drafter,

@@ -85,7 +85,7 @@ def this_command() -> list[str]:
 
 
 def _install() -> int:
-    from app.store import write_atomic
+    from app.atomic import write_atomic
 
     wanted = files(this_command())
     changed = [path for path, content in wanted.items() if not path.is_file() or path.read_bytes() != content]

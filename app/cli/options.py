@@ -44,7 +44,8 @@ def model_options(p: argparse.ArgumentParser, heads: bool = True) -> None:
 
 def decoding_options(p: argparse.ArgumentParser) -> None:
     from core.decode.settings import ACCEPTANCE_RULES
-    from core.decode.tree import AUTO, DRAFTERS
+    from core.decode.tree import AUTO
+    from core.drafters.registry import DRAFTERS, help_text
 
     model_options(p)
     p.add_argument("--acceptance", default="lossless", choices=ACCEPTANCE_RULES)
@@ -59,8 +60,7 @@ def decoding_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--drafter",
         choices=DRAFTERS,
-        help="medusa: heads; lookup: copies from the conversation; retrieval: copies from the model's past replies; "
-        "hybrid: all in one tree; eagle: an EAGLE draft layer and both lookups (default: the tree's)",
+        help=help_text(),
     )
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--stop", action="append", default=[], type=stop_string, help="stop string (repeatable)")
@@ -150,28 +150,12 @@ def setup(args: argparse.Namespace, kinds: tuple[str, ...] | None, fixed: tuple[
 
     `kinds` None means the drafter chosen by --drafter or, failing that, by the model's preset.
     With --tree auto each kind gets the speculation policy; `fixed` adds "KIND@PRESET" drafters
-    on a fixed tree (bench compares them)."""
-    from core.decode.tree import (
-        AUTO,
-        EAGLE_DRAFTERS,
-        EAGLE_OPTIONAL,
-        HEAD_DRAFTERS,
-        RETRIEVAL_DRAFTERS,
-        load_preset,
-        preset_names,
-    )
-    from core.drafters.auto import auto_drafter
-    from core.drafters.fixed import make_drafter
-    from models.loader import (
-        corpus_for,
-        eagle_for,
-        heads_for,
-        load_backbone,
-        resolve,
-        resolve_eagle,
-        resolve_heads,
-        step_costs,
-    )
+    on a fixed tree (bench compares them). Only what these drafters need is loaded (`registry.needs`)."""
+    from app.drafting import load_parts
+    from core.decode.tree import AUTO, load_preset, preset_names
+    from core.drafters.build import auto_drafter, make_drafter
+    from core.drafters.registry import needs
+    from models.loader import load_backbone, resolve, resolve_eagle, resolve_heads, step_costs
 
     decode = settings(args)
     auto = args.tree in (None, AUTO)
@@ -180,42 +164,35 @@ def setup(args: argparse.Namespace, kinds: tuple[str, ...] | None, fixed: tuple[
     spec = resolve(args.model)
     preset = chosen or load_preset(spec.tree if spec.tree in preset_names() else "cpu-16")
     kinds = kinds if kinds is not None else (args.drafter or preset.drafter,)
-    kinds_all = (*kinds, *(f.partition("@")[0] for f in fixed))
-    need_heads = any(k in HEAD_DRAFTERS for k in kinds_all)
-    heads_dir = (resolve_heads(args.heads) if args.heads else spec.heads_folder) if need_heads else None
-    need_eagle = any(k in EAGLE_DRAFTERS for k in kinds_all)
-    want_eagle = need_eagle or (auto and any(k in EAGLE_OPTIONAL for k in kinds))
+    own = needs(kinds, auto)  # the chosen kinds' needs, then with the fixed-tree ones'
+    need = own | needs((f.partition("@")[0] for f in fixed), auto=False)
+    heads_dir = (resolve_heads(args.heads) if args.heads else spec.heads_folder) if need.heads else None
     given = getattr(args, "eagle", None)
-    eagle_path = (resolve_eagle(given) if given else spec.eagle) if want_eagle else None
+    eagle_path = (resolve_eagle(given) if given else spec.eagle) if need.eagle_if_any else None
     backbone = load_backbone(args.model, args.dtype, args.device, args.quantization, spec=spec)
-    heads, trained = None, False
-    if need_heads:
-        depth = max([preset.tree.max_depth, *(p.tree.max_depth for p in fixed_presets.values()), 4])
-        heads, trained = heads_for(backbone, heads_dir, num_heads=depth)
-        if not trained:
-            print(
-                "warning: no trained Medusa heads for this model, so drafts are rarely accepted; pass --heads FOLDER.",
-                file=sys.stderr,
-            )
+    depth = max([preset.tree.max_depth, *(p.tree.max_depth for p in fixed_presets.values()), 4])
+    parts = load_parts(backbone, need, heads_dir, eagle_path, num_heads=depth)
+    if need.heads and not parts.trained:
+        print(
+            "warning: no trained Medusa heads for this model, so drafts are rarely accepted; pass --heads FOLDER.",
+            file=sys.stderr,
+        )
     device = backbone.model.device
-    corpus = corpus_for(backbone) if any(k in RETRIEVAL_DRAFTERS for k in kinds_all) else None
-    try:
-        eagle = eagle_for(backbone, eagle_path)
-    except UserError as e:
-        if need_eagle:
-            raise
-        print(f"{e} Drafting goes on without it.", file=sys.stderr)  # hybrid runs the heads' tree alone
-        eagle = None
 
     def fixed_drafter(kind: str, p):
         tree = p.tree.to(device)
         name = f"Tree '{p.name}'"
-        return make_drafter(kind, heads, tree, name, p.lookup_branches, p.lookup_length, corpus, eagle)
+        return make_drafter(
+            kind, parts.heads, tree, name, p.lookup_branches, p.lookup_length, parts.corpus, parts.eagle
+        )
 
     costs = None  # the machine's step-cost curve (the caller measures it when `needed`, at an idle moment)
     if auto and kinds:
-        costs = step_costs(backbone, heads if any(k in HEAD_DRAFTERS for k in kinds) else None)
-        drafters = {k: auto_drafter(k, heads, costs.curve, preset, trained, corpus, eagle) for k in kinds}
+        costs = step_costs(backbone, parts.heads if own.heads else None)
+        drafters = {
+            k: auto_drafter(k, parts.heads, costs.curve, preset, parts.trained, parts.corpus, parts.eagle)
+            for k in kinds
+        }
     else:
         drafters = {k: fixed_drafter(k, preset) for k in kinds}
     drafters |= {f: fixed_drafter(f.partition("@")[0], p) for f, p in fixed_presets.items()}
@@ -237,7 +214,7 @@ def answer_prompts(
     desc = f"sampling replies ({sample})" if sample else "answering prompts"
     with tqdm(total=len(prompts) if indices is None else len(indices), desc=desc, unit="prompt") as bar:
         return train.distill(
-            backbone.model, encoded, transcripts, backbone.eos_ids, backbone.pad_id, batch_size, max_new_tokens,
+            backbone.backend, encoded, transcripts, backbone.eos_ids, backbone.pad_id, batch_size, max_new_tokens,
             lambda done, total: bar.update(done - bar.n), sample, indices,
         )  # fmt: skip
 

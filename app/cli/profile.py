@@ -22,7 +22,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from core.backends import lean as fast
     from core.drafters.fixed import MedusaDrafter
     from core.measure import profile
     from models.loader import heads_for, load_backbone, resolve, resolve_heads
@@ -43,24 +42,24 @@ def run(args: argparse.Namespace) -> int:
     here = profile.machine(model.device)
     dtype = str(model.dtype).removeprefix("torch.")
     print(
-        f"profile: {args.model} ({dtype}, {fast.describe(model)} forward) on {here.cpu}, {here.kernels} kernels, "
-        f"{here.threads} threads",
+        f"profile: {args.model} ({dtype}, {backbone.backend.describe()} forward) on {here.cpu}, "
+        f"{here.kernels} kernels, {here.threads} threads",
         file=sys.stderr,
     )
     costs = profile.step_costs(
-        model,
+        backbone.backend,
         context,
         lambda tree: MedusaDrafter(heads, tree),
         sizes,
         args.repeats,
         lambda n: print(f"  {n} nodes…", file=sys.stderr, flush=True),
     )
-    floor = profile.row_floor(model, costs)
+    floor = profile.row_floor(backbone.backend, costs)
     if args.json:
         report = {
             "model": args.model,
             "dtype": dtype,
-            "forward": fast.describe(model),
+            "forward": backbone.backend.describe(),
             "machine": asdict(here),
             "heads": "trained" if trained else "untrained",
             "context": len(context),

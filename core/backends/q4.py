@@ -31,10 +31,12 @@ import platformdirs
 import torch
 from torch import Tensor
 
+from core.backends.quantize import GROUP, reference
+
 NATIVE = Path(__file__).parent / "native"
 SOURCES = (NATIVE / "q4gemm.c", NATIVE / "step.c")  # compiled together, with common.h
 VERSION = 4  # q4_version() of the source above
-GROUP, TILE = 32, 16  # inputs per scale (GGUF Q4_1's block), outputs per tile
+TILE = 16  # outputs per tile (inputs per scale: `quantize.GROUP`)
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
 ISAS = {"avx512-vnni": 2, "avx2": 1}  # the kernel variants, as q4_gemm numbers them
 HEAD_STEP, MAX_HEAD = 16, 512  # the head sizes the attention kernel takes (step.c)
@@ -228,27 +230,6 @@ def fits(out_features: int, in_features: int) -> bool:
     return out_features % TILE == 0 and in_features % GROUP == 0
 
 
-def quantize(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(N, K) weight → q (N, K) uint8 in [0, 15], step and minimum (N, K/32): w ≈ step·q + minimum
-    per group of 32 inputs. Weights that were GGUF Q4_1 blocks come back as they were."""
-    n, k = w.shape
-    groups = w.float().view(n, k // GROUP, GROUP)
-    low, high = groups.amin(-1), groups.amax(-1)
-    step = ((high - low) / 15).clamp(min=1e-12)
-    q = torch.round((groups - low[..., None]) / step[..., None]).clamp(0, 15).to(torch.uint8).view(n, k)
-    return q.contiguous(), step, low
-
-
-def quantize8(w: Tensor) -> tuple[Tensor, Tensor]:
-    """(N, K) weight → q (N, K) int8 in [-127, 127] and step (N, K/32): w ≈ step·q per group of 32
-    inputs (GGUF Q8_0's form)."""
-    n, k = w.shape
-    groups = w.float().view(n, k // GROUP, GROUP)
-    step = (groups.abs().amax(-1) / 127).clamp(min=1e-12)
-    q = torch.round(groups / step[..., None]).clamp(-127, 127).to(torch.int8).view(n, k)
-    return q.contiguous(), step
-
-
 class Packed:
     """One weight in the kernel's layout (4 bits: GGUF Q4_1's form; 8 bits: Q8_0's), with the C
     descriptor that points at it. `variant`: the kernel variant that will run it (8-bit weights
@@ -261,7 +242,7 @@ class Packed:
         self.lib, self.n, self.bits = lib, n, bits
         self.variant = ISAS[variant or isa()]
         source = weight.detach().to(torch.bfloat16).contiguous()
-        # quantized and laid out in C, in one pass on every core: what quantize / quantize8 compute
+        # quantized and laid out in C, in one pass on every core: what `core.backends.quantize` computes
         self.w = torch.empty(n * k * bits // 8, dtype=torch.uint8)
         self.d = torch.empty(n * k // GROUP, dtype=torch.float16)
         self.m = torch.empty(n * k // GROUP, dtype=torch.float16 if bits == 4 else torch.int32)
@@ -296,24 +277,6 @@ def _self_test(lib: ctypes.CDLL) -> None:
     want = reference(x, weight, bias)
     error = float((got - want).abs().max() / want.abs().max())
     assert error < 2e-2, f"its self-test was off by {error:.3f}"
-
-
-def reference(x: Tensor, weight: Tensor, bias: Tensor | None = None, bits: int = 4) -> Tensor:
-    """What the kernel computes, in float32 torch: int8 activations per group of 32, 4- or 8-bit
-    weights (quantized from their bf16 values, as `Packed` takes them)."""
-    weight = weight.to(torch.bfloat16)
-    if bits == 4:
-        q, step, low = quantize(weight)
-    else:
-        (q, step), low = quantize8(weight), torch.zeros(1)
-    step, low = step.half().float(), low.half().float()  # as the kernel stores them
-    rows, k = x.shape
-    a = x.float().view(rows, k // GROUP, GROUP)
-    scale = a.abs().amax(-1, keepdim=True) / 127
-    p = torch.round(a / torch.where(scale > 0, scale, 1)).clamp(-127, 127)
-    dots = torch.einsum("rgi,ngi->rng", p, q.float().view(-1, k // GROUP, GROUP))
-    y = (dots * step[None] * scale.transpose(1, 2)).sum(-1) + (a.sum(-1)[:, None, :] * low[None]).sum(-1)
-    return y if bias is None else y + bias
 
 
 class Ops:

@@ -12,15 +12,17 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 from transformers import PreTrainedModel
 
-from core.backends import cache as kv
+from core.backends.base import Backend, Cache
+from core.backends.cache import Kept
 from core.decode import precision
+from core.decode.acceptance import Acceptance
 from core.decode.settings import DecodeSettings
-from core.decode.step import Draft, Drafter, NoDrafter, accept, commit, first_token, prefill, verify
+from core.decode.step import accept, commit, first_token, prefill, verify
 from core.decode.text import Decoder, Detokenizer
 from core.decode.tree import SOURCES
+from core.drafters.base import Draft, Drafter, NoDrafter
 from core.errors import ContextExceeded, UserError
 from core.measure.clock import now
 
@@ -69,7 +71,7 @@ class Finished:
 
 
 def stream(
-    model: PreTrainedModel,
+    backend: Backend,
     prompt_ids: list[int],
     settings: DecodeSettings,
     drafter: Drafter | None = None,
@@ -77,69 +79,33 @@ def stream(
     eos_ids: Iterable[int] = (),
     generator: torch.Generator | None = None,
     should_stop: Callable[[], bool] = lambda: False,
-    kept: kv.Kept | None = None,
+    kept: Kept | None = None,
 ) -> Iterator[StepEvent | Finished]:
-    """Decode a reply to `prompt_ids`, one event per step. Cancellation is checked between steps.
-    `kept`: the conversation's cache from the last reply, of which the prefill reuses what the
-    prompt shares with it; the reply's own cache is kept there when it ends."""
-    device = model.device
+    """Decode a reply to `prompt_ids` on `backend`, one event per step. Cancellation is checked
+    between steps. `kept`: the conversation's cache from the last reply, of which the prefill
+    reuses what the prompt shares with it; the reply's own cache is kept there when it ends."""
+    device = backend.device
     plain = NoDrafter(device)
     drafter = drafter or plain
-    eos = set(eos_ids)
-    if not prompt_ids:
-        raise UserError("The prompt is empty; type a message first.")
-    context = context_length(model)
-    if len(prompt_ids) >= context:
-        raise ContextExceeded(
-            f"The prompt is {len(prompt_ids)} tokens but the model reads at most {context}; "
-            "shorten it or start a new chat."
-        )
-    limit = min(settings.max_new_tokens, context - len(prompt_ids))
-    detok = Detokenizer(tokenizer)
-    out: list[int] = []
-    start = now(device)  # every clock read waits for the device: a GPU's work is timed, not its launch
-
-    def event(
-        step: int,
-        new: list[int],
-        accepted: int,
-        path: Tensor,
-        draft: Draft | None,
-        t0: float,
-        drafting: float = 0.0,
-        choice=None,
-    ) -> StepEvent:
-        end = now(device)
-        nodes = path.tolist()
-        if draft is None:  # the prefill
-            return StepEvent(step, tuple(new), detok.push(new), 0, (0,), (), 0, end - t0, len(out) / (end - start))
-        kinds = tuple(SOURCES[draft.source(i)] for i in range(draft.tree.size))
-        return StepEvent(
-            step, tuple(new), detok.push(new), accepted, tuple(nodes), tuple(draft.tokens.tolist()),
-            draft.tree.size, end - t0, len(out) / (end - start),
-            sources=tuple(kinds[i] for i in nodes[1:]), parents=tuple(draft.tree.parent.tolist()), node_sources=kinds,
-            draft_seconds=drafting,
-            choice=choice.reason if choice else "", expected_tokens=choice.expected_tokens if choice else 0.0,
-            expected_ms=choice.expected_ms if choice else 0.0,
-        )  # fmt: skip
+    context = _check_prompt(backend.model, prompt_ids)
+    reply = _Reply(tokenizer, eos_ids, min(settings.max_new_tokens, context - len(prompt_ids)), settings.stop, device)
 
     with torch.inference_mode():
         # 1) prefill: the prompt (what the kept cache lacks of it) into the cache, the backbone's first token
-        taps = getattr(drafter, "taps", ())  # layers whose streams the drafter reads too (EAGLE-3)
-        feed = getattr(drafter, "feed", None)  # drafters that read every committed feature (EAGLE)
-        cache, reused = resume(model, prompt_ids, kept, drafter)
-        fwd = prefill(model, cache, torch.tensor(prompt_ids[reused:], device=device), taps)
+        taps = drafter.taps  # layers whose streams the drafter reads too (EAGLE-3)
+        cache, reused = resume(backend, prompt_ids, kept, drafter)
+        fwd = prefill(backend, cache, torch.tensor(prompt_ids[reused:], device=device), taps)
         root = first_token(fwd, settings, generator)
         hidden = fwd.hidden[-1]
-        if feed is not None:
-            feed(fwd.backbone_features(), torch.tensor([*prompt_ids[reused + 1 :], int(root)], device=device), reused)
-        new, reason = _trim([int(root)], out, eos, limit)
-        out += new
+        if drafter.reads_features:  # (EAGLE) fed every committed position's features
+            ids = torch.tensor([*prompt_ids[reused + 1 :], int(root)], device=device)
+            drafter.feed(fwd.backbone_features(), ids, reused)
+        new, reason = reply.emit([int(root)])
         history = [*prompt_ids, *new]
         cached = list(prompt_ids)  # the tokens in the cache: the prompt, then each step's root and accepted drafts
-        first_token_seconds = now(device) - start
-        yield (e := event(1, new, 0, torch.zeros(1, dtype=torch.long), None, start))
-        reason = reason or _stopped(detok.text, e.text, settings.stop)
+        first_token_seconds = now(device) - reply.start
+        yield (e := reply.event(1, new, reply.start))
+        reason = reason or reply.stopped(e.text)
 
         # 2) decode: propose → verify → accept → commit, until EOS, a stop string or the limit
         step = 1
@@ -149,54 +115,106 @@ def stream(
                 break
             t0 = now(device)
             step += 1
-            prefix_len = kv.length(cache)
+            prefix_len = backend.length(cache)
             draft = drafter.propose(hidden, root, history)
-            choice = getattr(drafter, "last_choice", None)
+            choice = drafter.last_choice
             if prefix_len + draft.tree.max_depth >= context:  # the tree would need positions the model lacks
                 draft = plain.propose(hidden, root)
             drafting = now(device) - t0
-            fwd = verify(model, cache, draft, taps)
+            fwd = verify(backend, cache, draft, taps)
             result = accept(fwd, draft, settings, generator)
-            commit(cache, prefix_len, result)
+            commit(backend, cache, prefix_len, result)
             hidden, root = fwd.hidden[result.path[-1]], result.next_token
             emitted = torch.cat([draft.tokens[result.path[1:]], root.view(1)])
-            if feed is not None:
-                feed(fwd.backbone_features(result.path), emitted, prefix_len)
+            if drafter.reads_features:
+                drafter.feed(fwd.backbone_features(result.path), emitted, prefix_len)
             tokens = emitted.tolist()
             cached += [history[-1], *tokens[:-1]]  # the root, the accepted drafts (the new root is not in yet)
-            if observe := getattr(drafter, "observe", None):  # adaptive drafters learn from each step
-                observe(draft, tokens, now(device) - t0)
-            new, reason = _trim(tokens, out, eos, limit)
-            out += new
+            drafter.observe(draft, tokens, now(device) - t0)  # adaptive drafters learn from each step
+            new, reason = reply.emit(tokens)
             history += new
-            yield (e := event(step, new, result.accepted, result.path, draft, t0, drafting, choice))
-            reason = reason or _stopped(detok.text, e.text, settings.stop)
+            yield (e := reply.event(step, new, t0, draft, result, drafting, choice))
+            reason = reason or reply.stopped(e.text)
 
     # 3) finish
-    detok.flush()
-    text = _cut_at_stop(detok.text, settings.stop)
-    seconds = now(device) - start
-    exactness = precision.exactness(model, settings, tree=not isinstance(drafter, NoDrafter))
+    text, seconds = reply.finish()
+    exactness = precision.exactness(backend, settings, tree=not isinstance(drafter, NoDrafter))
     if kept is not None:  # before the last event: a reader may stop at it
-        kept.keep(model, cache, cached)
+        kept.keep(backend, cache, cached)
     read = len(prompt_ids) - reused
-    yield Finished(tuple(out), text, step, seconds, first_token_seconds, reason, exactness, read, reused)
+    yield Finished(tuple(reply.out), text, step, seconds, first_token_seconds, reason, exactness, read, reused)
 
 
-def resume(
-    model: PreTrainedModel, prompt_ids: list[int], kept: kv.Kept | None, drafter: Drafter
-) -> tuple[kv.Cache, int]:
+class _Reply:
+    """One reply as it grows: its tokens and text, since when it runs, and its step events."""
+
+    def __init__(
+        self, tokenizer: Decoder | None, eos_ids: Iterable[int], limit: int, stop: tuple[str, ...], device
+    ) -> None:
+        self.detok, self.eos, self.stop = Detokenizer(tokenizer), set(eos_ids), stop
+        self.limit, self.device = limit, device  # at most `limit` tokens
+        self.out: list[int] = []
+        self.start = now(device)  # every clock read waits for the device: a GPU's work is timed, not its launch
+
+    def emit(self, tokens: list[int]) -> tuple[list[int], str | None]:
+        """A step's tokens as the reply takes them (`_trim`), and why the reply ends (None: it goes on)."""
+        new, reason = _trim(tokens, self.out, self.eos, self.limit)
+        self.out += new
+        return new, reason
+
+    def event(
+        self, step: int, new: list[int], t0: float, draft: Draft | None = None, result: Acceptance | None = None,
+        drafting: float = 0.0, choice=None,
+    ) -> StepEvent:  # fmt: skip
+        """The event of a step that began at `t0` and emitted `new` (`draft` None: the prefill)."""
+        end = now(self.device)
+        rate = len(self.out) / (end - self.start)
+        if draft is None:  # the prefill
+            return StepEvent(step, tuple(new), self.detok.push(new), 0, (0,), (), 0, end - t0, rate)
+        nodes = result.path.tolist()
+        kinds = tuple(SOURCES[draft.source(i)] for i in range(draft.tree.size))
+        return StepEvent(
+            step, tuple(new), self.detok.push(new), result.accepted, tuple(nodes), tuple(draft.tokens.tolist()),
+            draft.tree.size, end - t0, rate,
+            sources=tuple(kinds[i] for i in nodes[1:]), parents=tuple(draft.tree.parent.tolist()), node_sources=kinds,
+            draft_seconds=drafting,
+            choice=choice.reason if choice else "", expected_tokens=choice.expected_tokens if choice else 0.0,
+            expected_ms=choice.expected_ms if choice else 0.0,
+        )  # fmt: skip
+
+    def stopped(self, delta: str) -> str | None:
+        """Why the reply ends where a stop string ends within the text `delta` just added, else None."""
+        return _stopped(self.detok.text, delta, self.stop)
+
+    def finish(self) -> tuple[str, float]:
+        """The whole text (cut at a stop string) and the seconds since the prompt was sent."""
+        self.detok.flush()
+        return _cut_at_stop(self.detok.text, self.stop), now(self.device) - self.start
+
+
+def _check_prompt(model: PreTrainedModel, prompt_ids: list[int]) -> int:
+    """The model's context length, once the prompt is known to leave room in it for a reply."""
+    if not prompt_ids:
+        raise UserError("The prompt is empty; type a message first.")
+    context = context_length(model)
+    if len(prompt_ids) >= context:
+        raise ContextExceeded(
+            f"The prompt is {len(prompt_ids)} tokens but the model reads at most {context}; "
+            "shorten it or start a new chat."
+        )
+    return context
+
+
+def resume(backend: Backend, prompt_ids: list[int], kept: Kept | None, drafter: Drafter) -> tuple[Cache, int]:
     """The cache to prefill `prompt_ids` on and how many of its tokens it holds already: the kept
     conversation's, cut back to what the prompt shares with it and, for a drafter that reads the
-    backbone's features (EAGLE), to what its own state still holds of the prompt (one that cannot
-    say reads the whole prompt again); else a new cache."""
-    cache, reused = kept.take(model, prompt_ids) if kept is not None else (kv.new_cache(model), 0)
-    if getattr(drafter, "feed", None) is not None:
-        rewind = getattr(drafter, "rewind", None)  # → how many positions of the prompt its state keeps
-        held = rewind(prompt_ids, reused) if rewind is not None else 0
-        if held < reused:
-            kv.truncate(cache, held)
-            reused = held
+    backbone's features (EAGLE), to what its own state still holds of the prompt (`Drafter.rewind`);
+    else a new cache."""
+    cache, reused = kept.take(backend, prompt_ids) if kept is not None else (backend.new_cache(), 0)
+    held = drafter.rewind(prompt_ids, reused)  # how many positions of the prompt its own state keeps
+    if held < reused:
+        backend.truncate(cache, held)
+        reused = held
     return cache, reused
 
 

@@ -3,7 +3,8 @@
 A verify forward runs a tree's rows together where a plain step runs one row. The two agree
 bit for bit only where every kernel gives a row the same result whatever the row count:
 - float32 on the CPU (torch's kernels; `core.backends.lean` measures its packed kernels before it uses them);
-- the kernel library's whole-layer decoder (`core.backends.q4`), which computes the rows one by one.
+- the kernel library's whole-layer decoder (`core.backends.q4`), which computes the rows one by one
+  (a backend's `rows_one_by_one`).
 Everywhere else a tree step and a plain step may round differently, so a near-tie between two
 tokens can fall the other way, and the reply is exact only up to rounding:
 - bf16 and fp16, on any device;
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from core.backends import lean as fast
+from core.backends.base import Backend
 from core.decode.settings import DecodeSettings
 
 EXACT = "exact"
@@ -52,17 +53,17 @@ def compute_dtype(model) -> torch.dtype:
     return model.dtype
 
 
-def rows_alike(model) -> bool:
+def rows_alike(backend: Backend) -> bool:
     """Whether a tree's verify forward gives every node the bits a one-token step would."""
+    model = backend.model
     if quantization(model) is not None:
         return False
-    forward = fast.forward_of(model)
-    if forward is not None and forward.native is not None:
+    if backend.rows_one_by_one:
         return True
     return model.dtype == torch.float32 and torch.device(model.device).type == "cpu"
 
 
-def exactness(model, settings: DecodeSettings | None = None, tree: bool = True) -> str:
+def exactness(backend: Backend, settings: DecodeSettings | None = None, tree: bool = True) -> str:
     """What a reply decoded with these settings promises against plain decoding: "exact", "exact
     up to bfloat16 rounding" (and the like), or approximate under typical acceptance. `tree`
     False: plain decoding, the reference itself."""
@@ -70,9 +71,9 @@ def exactness(model, settings: DecodeSettings | None = None, tree: bool = True) 
         return EXACT
     if settings is not None and settings.acceptance == "typical":
         return TYPICAL
-    if rows_alike(model):
+    if rows_alike(backend):
         return EXACT
-    return f"exact up to {str(compute_dtype(model)).removeprefix('torch.')} rounding"
+    return f"exact up to {str(compute_dtype(backend.model)).removeprefix('torch.')} rounding"
 
 
 def _field(config, name: str):

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from core.drafters.registry import DRAFTERS
 from core.errors import UserError
 
 Path_ = tuple[int, ...]
@@ -28,13 +29,6 @@ Path_ = tuple[int, ...]
 # replies; "eagle": the EAGLE draft layer)
 SOURCES = ("root", "heads", "context", "both", "retrieval", "eagle")
 DRAFT_SOURCES = SOURCES[1:]  # where an accepted drafted token came from
-# heads only, context only, past replies only, all in one tree, the EAGLE layer with both lookups
-DRAFTERS = ("medusa", "lookup", "retrieval", "hybrid", "eagle")
-HEAD_DRAFTERS = ("medusa", "hybrid")  # the drafters that need Medusa heads
-LOOKUP_DRAFTERS = ("lookup", "hybrid", "eagle")  # the drafters that copy from the context
-RETRIEVAL_DRAFTERS = ("retrieval", "hybrid", "eagle")  # the drafters that copy from the model's past replies
-EAGLE_DRAFTERS = ("eagle",)  # the drafters that need an EAGLE draft layer
-EAGLE_OPTIONAL = ("hybrid",)  # with --tree auto, also run the EAGLE layer where the model has one
 AUTO = "auto"  # the tree name that lets the speculation policy choose each step's tree (the default)
 ROOT, HEADS, CONTEXT, BOTH, RETRIEVAL, EAGLE = range(6)
 
@@ -216,7 +210,7 @@ class Preset:
 
     name: str
     tree: TreeBuffers
-    drafter: str = "medusa"
+    drafter: str = "medusa"  # the kind it was calibrated with (one of core.drafters.registry.DRAFTERS)
     lookup_branches: int = 2  # continuations copied from the context per step
     lookup_length: int = 4  # tokens per continuation
     top1: tuple[float, ...] = ()  # calibrated trees: how often each head's first choice was right

@@ -4,35 +4,25 @@ and with a corpus, the model's past replies)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from core.decode.step import Draft, NoDrafter
-from core.decode.tree import (
-    CONTEXT,
-    EAGLE_DRAFTERS,
-    EAGLE_OPTIONAL,
-    HEAD_DRAFTERS,
-    LOOKUP_DRAFTERS,
-    RETRIEVAL,
-    RETRIEVAL_DRAFTERS,
-    Preset,
-    TreeBuffers,
-    build_tree,
-    graft,
-)
+from core.decode.tree import CONTEXT, RETRIEVAL, TreeBuffers, build_tree, graft
+from core.drafters.base import Draft, Drafter
 from core.drafters.lookup import NgramIndex, node_count
-from core.drafters.policy import CONTEXT_DEPTH, CONTEXT_KEY, RANKS, Choice, CostCurve, Policy, prior_accuracy
+from core.drafters.policy import CONTEXT_DEPTH, CONTEXT_KEY, RANKS, Choice, Policy
 from core.drafters.retrieval import RETRIEVAL_LENGTH, Corpus
 
 TREES = 256  # tree buffers an AutoDrafter keeps built (each step's tree may differ)
 
 
-class AutoDrafter:
+class AutoDrafter(Drafter):
     """A drafter whose tree the policy chooses each step, from the heads' top candidates and the
     context's continuations; `observe` feeds each step's outcome back to the policy."""
+
+    reads_features = True  # not the features themselves: `feed`'s position says where a reply starts
 
     def __init__(
         self,
@@ -141,39 +131,3 @@ class AutoDrafter:
     @property
     def last_choice(self) -> Choice | None:
         return self._last[0] if self._last else None
-
-
-def auto_drafter(
-    kind: str,
-    heads,
-    curve: Callable[[], CostCurve | None],
-    preset: Preset,
-    trained: bool = True,
-    corpus: Corpus | None = None,
-    eagle=None,
-):
-    """The policy-driven drafter for `kind` ("medusa": heads only, "lookup": context only,
-    "retrieval": the model's past replies in `corpus` only, "hybrid": all three), its heads' prior
-    from `preset`'s calibration (untrained heads start near 0); "eagle": the EAGLE draft layer
-    `eagle` with both lookups, each step's node count chosen from the costs. "hybrid" with an
-    `eagle` layer: whichever of the two decodes faster on this machine, measured as it runs."""
-    from core.drafters.eagle_tree import eagle_drafter
-
-    if kind in EAGLE_DRAFTERS:
-        return eagle_drafter(eagle, curve, corpus if kind in RETRIEVAL_DRAFTERS else None)
-    if kind in EAGLE_OPTIONAL and eagle is not None:
-        from core.drafters.switch import Fastest
-
-        heads_tree = auto_drafter(kind, heads, curve, preset, trained, corpus)
-        contenders = {"heads": heads_tree, "eagle": eagle_drafter(eagle, curve, corpus), "plain": NoDrafter()}
-        return Fastest(contenders, reference="plain")  # a tree runs once it is measurably faster
-    use_heads = kind in HEAD_DRAFTERS and heads is not None
-    prior = None
-    if use_heads:
-        prior = prior_accuracy(heads.num_heads, preset.top1, preset.top10) if trained else None
-        prior = prior if prior is not None else prior_accuracy(heads.num_heads, [0.02] * heads.num_heads)
-    reliability = preset.reliability if use_heads and trained else ()
-    use_retrieval = kind in RETRIEVAL_DRAFTERS and corpus is not None and len(corpus) > 0
-    rates = corpus.hit_rates if corpus is not None else ()
-    policy = Policy(curve, prior, use_heads, kind in LOOKUP_DRAFTERS, reliability, use_retrieval, rates)
-    return AutoDrafter(heads, policy, preset.lookup_branches, preset.lookup_length, corpus=corpus)

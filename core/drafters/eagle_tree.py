@@ -26,15 +26,17 @@ import torch
 from torch import Tensor
 
 from core.backends import lean as fast
-from core.decode.step import Draft
 from core.decode.tree import CONTEXT, EAGLE, RETRIEVAL, ROOT, build_tree, from_parents
+from core.drafters.base import Draft, Drafter
 from core.drafters.eagle import EagleDraft, scaled_taps
+from core.drafters.estimates import PRIOR_CURVE, CostCurve
 from core.drafters.fixed import continuations, with_branches
-from core.drafters.lookup import NgramIndex, common_prefix, node_count
-from core.drafters.policy import PRIOR_CURVE, Choice, CostCurve
+from core.drafters.lookup import NgramIndex, node_count
+from core.drafters.policy import Choice
 from core.drafters.retrieval import RETRIEVAL_LENGTH, Corpus
 from core.errors import UserError
 from core.measure.clock import now
+from core.sequences import common_prefix
 
 TOP_K = 8  # candidates under each expanded node
 BEAM = 4  # nodes expanded per depth
@@ -61,7 +63,7 @@ class LeanDraft:
         self.layer = fast.LeanLayer(layer, config, 0)
         self.native = fast.native_decoder([layer], config, [self.layer])
         self.rope = fast.Rope(draft.rotary, self.layer.head_dim, dtype)
-        self.norm = fast._norm(copy.deepcopy(draft.norm).to(device=device, dtype=dtype))
+        self.norm = fast.norm(copy.deepcopy(draft.norm).to(device=device, dtype=dtype))
         self.readout = fast.PackedLinear(draft.readout_weight.to(dtype), None, kernel)
         self.vocab = draft.vocab
         self.embed = draft.embed
@@ -94,9 +96,11 @@ class LeanDraft:
         return torch.log_softmax(self.readout(predicted).float(), dim=-1)
 
 
-class EagleDrafter:
+class EagleDrafter(Drafter):
     """Drafts with an EAGLE draft layer; with `lookup` the context's continuations (and with a
     `corpus` the model's past replies) are grafted under the root as well."""
+
+    reads_features = True  # its own cache holds the draft layer's entries of every committed position
 
     def __init__(
         self,

@@ -1,8 +1,9 @@
 """Drafters: Medusa heads filling a fixed tree, context lookup (and retrieval from the model's
 past replies where the context finds nothing), and both in one tree per step.
 
-(Plain decoding is `step.NoDrafter`.) Every drafter returns distinct children under each node,
-fixed before verification, which keeps lossless sampling exact whatever the source.
+(Plain decoding is `base.NoDrafter`; `build.make_drafter` builds these by kind.) Every drafter
+returns distinct children under each node, fixed before verification, which keeps lossless
+sampling exact whatever the source.
 """
 
 from __future__ import annotations
@@ -13,23 +14,10 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from core.decode.step import Draft
-from core.decode.tree import (
-    CONTEXT,
-    DRAFTERS,
-    EAGLE_DRAFTERS,
-    HEAD_DRAFTERS,
-    LOOKUP_DRAFTERS,
-    RETRIEVAL,
-    RETRIEVAL_DRAFTERS,
-    TreeBuffers,
-    build_tree,
-    check_fits,
-    graft,
-)
+from core.decode.tree import CONTEXT, RETRIEVAL, TreeBuffers, build_tree, check_fits, graft
+from core.drafters.base import Draft, Drafter
 from core.drafters.lookup import NgramIndex
 from core.drafters.retrieval import Corpus
-from core.errors import UserError
 
 
 class Heads(Protocol):
@@ -40,7 +28,7 @@ class Heads(Protocol):
         ...
 
 
-class MedusaDrafter:
+class MedusaDrafter(Drafter):
     """Each head's top-k at the last committed position, placed into the tree by (depth, rank)."""
 
     def __init__(self, heads: Heads, tree: TreeBuffers, top_k: int = 10, tree_name: str = "the tree"):
@@ -60,7 +48,7 @@ class MedusaDrafter:
         return Draft(torch.cat([root.view(1), candidates[self.gather]]), self.tree)
 
 
-class LookupDrafter:
+class LookupDrafter(Drafter):
     """Continuations of the history's longest earlier-seen suffix (in the context, else in the
     `corpus` of past replies), grafted under the root of `base` (the heads' draft in hybrid mode,
     else the root alone). `context` False: the corpus only."""
@@ -117,34 +105,3 @@ def with_branches(draft: Draft, found: list[list[int]], source: int) -> Draft:
     tokens, tree, sources = graft(draft.tree, draft.tokens.tolist(), found, source, base)
     device = draft.tokens.device
     return Draft(torch.tensor(tokens, device=device), tree.on(device), tuple(sources))
-
-
-def make_drafter(
-    kind: str,
-    heads: Heads | None,
-    tree: TreeBuffers,
-    tree_name: str = "the tree",
-    branches: int = 2,
-    length: int = 4,
-    corpus: Corpus | None = None,
-    eagle=None,
-):
-    """The drafter called `kind` (one of DRAFTERS); `corpus`: the past replies "retrieval" and
-    "hybrid" also copy from (None: none); `eagle`: the EAGLE draft layer "eagle" drafts with, up
-    to as many nodes as `tree` has."""
-    if kind not in DRAFTERS:
-        raise UserError(f"Unknown drafter '{kind}'; choose one of {', '.join(DRAFTERS)}.")
-    corpus = corpus if kind in RETRIEVAL_DRAFTERS else None
-    if kind in EAGLE_DRAFTERS:
-        from core.drafters.eagle_tree import eagle_drafter
-
-        return eagle_drafter(eagle, corpus=corpus, budget=tree.size - 1, branches=branches, length=length)
-    if kind not in HEAD_DRAFTERS:
-        return LookupDrafter(None, branches, length, corpus=corpus, context=kind in LOOKUP_DRAFTERS)
-    if kind == "medusa" and tree.size == 1:
-        raise UserError(
-            f"{tree_name} has no paths, so the heads would draft nothing; choose a tree with paths such as "
-            "[[0], [1], [0, 0]], or plain decoding (--mode baseline)."
-        )
-    medusa = MedusaDrafter(heads, tree, tree_name=tree_name)
-    return medusa if kind == "medusa" else LookupDrafter(medusa, branches, length, corpus=corpus)

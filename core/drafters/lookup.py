@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from core.sequences import common_prefix
+
 
 class NgramIndex:
     def __init__(self, max_ngram: int = 4) -> None:
@@ -74,13 +76,3 @@ class NgramIndex:
 def node_count(continuations: list[list[int]]) -> int:
     """Tree nodes the continuations add under the root once shared prefixes are merged."""
     return len({tuple(c[:d]) for c in continuations for d in range(1, len(c) + 1)})
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens `a` and `b` share (compared in blocks at C speed, then one by one)."""
-    n, end, block = 0, min(len(a), len(b)), 256
-    while n + block <= end and list(a[n : n + block]) == list(b[n : n + block]):
-        n += block
-    while n < end and a[n] == b[n]:
-        n += 1
-    return n

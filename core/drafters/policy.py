@@ -42,8 +42,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from core.drafters.lookup import common_prefix
-from core.train.calibrate import BINS, bin_middles, greedy_order, interpolate, probability_bins
+from core.drafters.estimates import BINS, PRIOR_CURVE, CostCurve, bin_middles, greedy_order, probability_bins
+from core.sequences import common_prefix
 
 MAX_BUDGET = 32  # head nodes the policy may draft (the root not counted)
 EXPLORE_EVERY = 16  # after at least this many steps without heads, draft with them once
@@ -70,23 +70,6 @@ RANKS = 10  # candidates per head the policy reads
 TABULATED = 2 * MAX_BUDGET + 1  # node counts whose step time is kept in a table (more: interpolated)
 CALIBRATION_RATE = 0.02  # weight of one checked candidate in its bin's running hit rate
 RUN_HEADS = 0.95  # run the heads while their best tree is expected at least this share of the best other's speed
-
-
-@dataclass(frozen=True)
-class CostCurve:
-    """What one step costs on this machine: verify + accept + commit by node count, and the heads."""
-
-    step_ms: dict[int, float]  # node count (root included) → ms
-    heads_ms: float  # the heads' forward and top-k, paid by every step that drafts with them
-
-    def at(self, nodes: float) -> float:
-        """Step time at a node count, linear between measured sizes (and beyond the last two)."""
-        return interpolate(self.step_ms, nodes)
-
-
-# Before this machine's curve is measured: a steep guess (a many-row forward costs 20 % more a
-# node), so the policy risks little until it knows better.
-PRIOR_CURVE = CostCurve({1: 1.0, 64: 13.6}, 0.2)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,8 @@ from dataclasses import replace
 
 from torch import Tensor
 
-from core.decode.step import Draft
+from core.drafters.base import Draft, Drafter
+from core.drafters.policy import Choice
 
 TURNS = 8  # steps each drafter takes in one trial
 EVERY = 160  # steps between trials at first, and after a trial that changed the leader
@@ -56,8 +57,8 @@ CONFIDENCE = 2.0  # standard errors by which a drafter must beat the reference t
 # 1.0, with AVX2 kernels, the heads' tree, 3 % slower than plain when it ran, won early trials)
 
 
-class Fastest:
-    def __init__(self, drafters: dict[str, object], reference: str | None = None) -> None:
+class Fastest(Drafter):
+    def __init__(self, drafters: dict[str, Drafter], reference: str | None = None) -> None:
         """`reference`: the drafter that runs unless another is measured faster with confidence
         (None: the first named runs until rates decide, then the fastest)."""
         self.drafters = drafters
@@ -131,21 +132,24 @@ class Fastest:
     @property
     def taps(self) -> tuple[int, ...]:
         """The layers a contender reads the backbone's streams at (EAGLE-3's; one such contender)."""
-        return next((t for d in self.drafters.values() if (t := getattr(d, "taps", ()))), ())
+        return next((d.taps for d in self.drafters.values() if d.taps), ())
+
+    @property
+    def reads_features(self) -> bool:
+        return any(d.reads_features for d in self.drafters.values())
 
     def feed(self, features: Tensor, next_ids: Tensor, position: int) -> None:
         for drafter in self.drafters.values():
-            if (feed := getattr(drafter, "feed", None)) is not None:
-                feed(features, next_ids, position)
+            if drafter.reads_features:
+                drafter.feed(features, next_ids, position)
 
     def rewind(self, prompt_ids: Sequence[int], reused: int) -> int:
         """A new reply: every contender that reads features keeps what the one keeping least keeps
         (see `core.decode.generate.resume`); the second pass cuts back those asked before it answered."""
         for _ in range(2):
             for drafter in self.drafters.values():
-                if getattr(drafter, "feed", None) is not None:
-                    rewind = getattr(drafter, "rewind", None)
-                    reused = min(reused, rewind(prompt_ids, reused) if rewind is not None else 0)
+                if drafter.reads_features:
+                    reused = min(reused, drafter.rewind(prompt_ids, reused))
         return reused
 
     def propose(self, hidden: Tensor, root: Tensor, history: Sequence[int] = ()) -> Draft:
@@ -167,10 +171,9 @@ class Fastest:
                     self._gap = FIRST_GAP if self._doubt else EVERY
                 else:
                     self._gap = min(2 * self._gap, MAX_GAP) if kept else EVERY
-        if (observe := getattr(self.drafters[self.active], "observe", None)) is not None:
-            observe(draft, emitted, seconds)
+        self.drafters[self.active].observe(draft, emitted, seconds)
 
     @property
-    def last_choice(self):
-        choice = getattr(self.drafters[self.active], "last_choice", None)
+    def last_choice(self) -> Choice | None:
+        choice = self.drafters[self.active].last_choice
         return None if choice is None else replace(choice, reason=f"{self.active}: {choice.reason}")

@@ -4,7 +4,9 @@ A CUDA kernel returns before it has run, so time read right after launching work
 launch, not the work: every timed region must wait for the device at its start and its end.
 Every timing in the project (a step and its drafting in the decode loop, the policy's and EAGLE's
 measurements, the profile, the step-cost curve, the benchmark) reads the clock through `now`,
-which waits for `device` first; on a CPU it is `time.perf_counter` alone.
+which waits for `device` first; on a CPU it is `time.perf_counter` alone. `time_ms` times a
+function over repeats; it lives here, below everything that times itself (the lean backend times
+its lm_head), so that no timing user has to import the profile.
 """
 
 from __future__ import annotations
@@ -33,5 +35,20 @@ def now(device: torch.device | str | None = None) -> float:
 
 
 def synchronizer(device: torch.device | str | None) -> Callable[[], None]:
-    """`synchronize` bound to `device` (what `core.measure.profile.time_ms` takes)."""
+    """`synchronize` bound to `device` (what `time_ms` takes)."""
     return lambda: synchronize(device)
+
+
+def time_ms(
+    fn: Callable[[], object], repeats: int = 5, sync: Callable[[], None] = lambda: None, fastest: bool = False
+) -> float:
+    """Median (or, `fastest`, the shortest) wall time of `fn` in ms, after one warm-up call."""
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return 1000 * (min(times) if fastest else sorted(times)[len(times) // 2])

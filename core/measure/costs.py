@@ -23,13 +23,14 @@ from pathlib import Path
 
 import torch
 
-from core.backends import cache as kv
 from core.backends import q4
+from core.backends.base import Backend
 from core.decode.settings import DecodeSettings
-from core.decode.step import Draft, NoDrafter, accept, commit, prefill, verify
+from core.decode.step import accept, commit, prefill, verify
+from core.drafters.base import Draft, NoDrafter
 from core.drafters.policy import RANKS, CostCurve
-from core.measure.clock import synchronizer
-from core.measure.profile import machine, shaped_tree, time_ms
+from core.measure.clock import synchronizer, time_ms
+from core.measure.profile import machine, shaped_tree
 
 MAX_NODES = 41  # the largest step the policy drafts: the root, 32 head nodes and 8 lookup nodes
 # Every node count is measured, coarse ones first (what a cut budget leaves is still a curve): a
@@ -42,28 +43,30 @@ FORMAT = 2  # bump when the file's meaning changes: older files are measured aga
 BUDGET_S = 15.0  # measuring stops adding sizes after this long (the largest are then extrapolated)
 
 
-def curve_key(model, describe: str, heads: str | None) -> str:
+def curve_key(backend: Backend, heads: str | None) -> str:
     """Everything a measured curve depends on (`heads`: how they draft, None without heads)."""
+    model = backend.model
     name = getattr(model.config, "_name_or_path", "") or model.config.model_type
     dtype = str(model.dtype).removeprefix("torch.")
+    describe = backend.describe()
     return f"{name}|{dtype}|{describe}|heads={heads}|{machine(model.device).key}|kernels {q4.source_id()}"
 
 
-def measure(model, heads, repeats: int = 3, budget_s: float = BUDGET_S) -> Iterator[CostCurve | None]:
+def measure(backend: Backend, heads, repeats: int = 3, budget_s: float = BUDGET_S) -> Iterator[CostCurve | None]:
     """Whole steps of each size in `SIZES` after a `CONTEXT`-token prompt (the fastest of
     `repeats`), then the heads' drafting time (0 without heads). Yields None after each size, so
     a caller can let other work run in between, and the curve last. Run it on the thread that
     runs the model: with OpenMP, a second thread's kernels run about half as fast."""
-    device = model.device
+    device = backend.device
     sync = synchronizer(device)
-    vocab = model.config.get_text_config().vocab_size
+    vocab = backend.model.config.get_text_config().vocab_size
     context = [(7919 * i) % vocab for i in range(1, CONTEXT + 1)]  # any real token ids
     settings = DecodeSettings()
-    cache = kv.new_cache(model)
+    cache = backend.new_cache()
     spent = 0.0
     with torch.inference_mode():
-        fwd = prefill(model, cache, torch.tensor(context, device=device))
-    past = kv.length(cache)
+        fwd = prefill(backend, cache, torch.tensor(context, device=device))
+    past = backend.length(cache)
     hidden, root = fwd.hidden[-1], torch.tensor(context[-1], device=device)
     steps: dict[int, float] = {}
     for n in SIZES:
@@ -74,7 +77,7 @@ def measure(model, heads, repeats: int = 3, budget_s: float = BUDGET_S) -> Itera
         if n == 1:
             draft = NoDrafter(device).propose(hidden, root)
         with torch.inference_mode():
-            steps[n] = time_ms(lambda d=draft: _step(model, cache, past, d, settings), repeats, sync, fastest=True)
+            steps[n] = time_ms(lambda d=draft: _step(backend, cache, past, d, settings), repeats, sync, fastest=True)
         spent += time.perf_counter() - t0
         yield None
     heads_ms = 0.0
@@ -84,9 +87,9 @@ def measure(model, heads, repeats: int = 3, budget_s: float = BUDGET_S) -> Itera
     yield CostCurve(steps, heads_ms)
 
 
-def _step(model, cache, past: int, draft: Draft, settings: DecodeSettings) -> None:
-    commit(cache, past, accept(verify(model, cache, draft), draft, settings, None))
-    kv.truncate(cache, past)
+def _step(backend: Backend, cache, past: int, draft: Draft, settings: DecodeSettings) -> None:
+    commit(backend, cache, past, accept(verify(backend, cache, draft), draft, settings, None))
+    backend.truncate(cache, past)
 
 
 class CurveStore:
@@ -135,8 +138,10 @@ class StepCosts:
     """The curve for one loaded model: from the store, else None until `measure` (or every step of
     `steps`) has run, which saves it."""
 
-    def __init__(self, model, heads, store: CurveStore, key: str, say: Callable[[str], None] = _stderr) -> None:
-        self.model, self.heads, self.store, self.key, self.say = model, heads, store, key, say
+    def __init__(
+        self, backend: Backend, heads, store: CurveStore, key: str, say: Callable[[str], None] = _stderr
+    ) -> None:
+        self.backend, self.heads, self.store, self.key, self.say = backend, heads, store, key, say
         self._curve = store.load(key, say)
         self.seconds: float | None = None  # how long measuring took (None: loaded from the store)
 
@@ -153,7 +158,7 @@ class StepCosts:
         t0 = time.perf_counter()
         curve = None
         try:
-            for curve in measure(self.model, self.heads):
+            for curve in measure(self.backend, self.heads):
                 if curve is None:
                     yield None
             self.store.save(self.key, curve)

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from core.backends import lean as fast
-from core.backends import q4
-from core.measure.profile import cpu_flags, machine, time_ms
+from core.backends import lean, q4
+from core.measure.clock import time_ms
+from core.measure.profile import cpu_flags, machine
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ROWS = (1, 8)  # a plain step and a typical tree step
@@ -61,7 +61,7 @@ def candidates(dtype: str | None, int4: bool) -> list[Choice]:
 def _key(*what: str) -> str:
     """A record's key: the machine, what was measured, and the kernels it was measured among (new
     kernels, or a changed kernel library, are measured again)."""
-    return "|".join((machine(torch.device("cpu")).key, *what, ",".join(fast.KERNELS), f"kernels {q4.source_id()}"))
+    return "|".join((machine(torch.device("cpu")).key, *what, ",".join(lean.KERNELS), f"kernels {q4.source_id()}"))
 
 
 def choose(hidden: int, inner: int, dtype: str | None, int4: bool, record: Path) -> Choice:
@@ -96,8 +96,8 @@ def _earlier(known: dict, key: str) -> object:
     return next((value for other, value in known.items() if other != key and _LIBRARY_ID.sub("", other) == stem), None)
 
 
-def head_by_row(head: fast.PackedLinear, record: Path) -> bool:
-    """Whether a tree's logits are computed a node at a time (`core.backends.lean.row_head`): whether 8
+def head_by_row(head: lean.PackedLinear, record: Path) -> bool:
+    """Whether a tree's logits are computed a node at a time (`core.backends.base.Backend.row_head`): whether 8
     rows through this lm_head cost more than twice one row. Measured once per machine, shape and
     kernel (interleaved, the median of `HEAD_REPEATS`), and remembered, so every launch of a
     model makes the same choice; a new measurement (a changed kernel library) turns an earlier
@@ -114,10 +114,10 @@ def head_by_row(head: fast.PackedLinear, record: Path) -> bool:
     return by_row
 
 
-def _head_ratio(head: fast.PackedLinear, rows: int = 8) -> float:
+def _head_ratio(head: lean.PackedLinear, rows: int = 8) -> float:
     """The median time of `rows` rows through `head` over that of one row, the two timed by turns."""
     x = torch.zeros(
-        rows, head.in_features, dtype=torch.bfloat16 if head.kernel in fast.QUANTIZED else head.packed.dtype
+        rows, head.in_features, dtype=torch.bfloat16 if head.kernel in lean.QUANTIZED else head.packed.dtype
     )
     ones, manys = [], []
     with torch.inference_mode():
@@ -130,7 +130,7 @@ def _head_ratio(head: fast.PackedLinear, rows: int = 8) -> float:
 def _remembered_draft(known: dict, key: str) -> tuple[str, str] | None:
     with contextlib.suppress(TypeError, ValueError, KeyError):
         dtype, kernel = known[key]
-        if dtype in DTYPES and kernel in fast.KERNELS:
+        if dtype in DTYPES and kernel in lean.KERNELS:
             return dtype, kernel
     return None
 
@@ -138,7 +138,7 @@ def _remembered_draft(known: dict, key: str) -> tuple[str, str] | None:
 def _unavailable(*kernels: str) -> bool:
     """Whether a kernel among `kernels` is the kernel library's and the library cannot be had here
     now (`q4.library()` then says why on stderr, once)."""
-    return any(k in fast.LIBRARY for k in kernels) and q4.library() is None
+    return any(k in lean.LIBRARY for k in kernels) and q4.library() is None
 
 
 def _read(record: Path) -> dict:
@@ -161,7 +161,7 @@ def drafting(out: int, inp: int, rows: int, record: Path) -> tuple[str, str]:
     kernel that runs, whether or not it rounds alike at every row count (drafts are checked by
     the verify forward). Measured once per machine and shape, remembered in `record`; a new
     measurement (a changed kernel library) replaces the earlier choice only when it wins clearly."""
-    out = fast.padded_rows(out)  # as the heads pack it: a kernel that needs whole tiles is timed, not replaced
+    out = lean.padded_rows(out)  # as the heads pack it: a kernel that needs whole tiles is timed, not replaced
     key = _key(f"draft {rows}x{inp}x{out}")
     known = _read(record)
     remembered = _remembered_draft(known, key)
@@ -175,9 +175,9 @@ def drafting(out: int, inp: int, rows: int, record: Path) -> tuple[str, str]:
     x = torch.randn(rows, inp, generator=gen)
     timed = {}
     for dtype in DTYPES:
-        for kernel in fast.KERNELS:
+        for kernel in lean.KERNELS:
             with contextlib.suppress(RuntimeError, NotImplementedError):
-                layer, dt = fast.PackedLinear(weight.to(DTYPES[dtype]), None, kernel), DTYPES[dtype]
+                layer, dt = lean.PackedLinear(weight.to(DTYPES[dtype]), None, kernel), DTYPES[dtype]
                 timed[dtype, kernel] = time_ms(lambda layer=layer, dt=dt: layer(x.to(dt)), repeats=5)
     best = min(timed, key=timed.get) if timed else ("float32", "dense")
     with contextlib.suppress(TypeError, ValueError):  # as in `choose`: an earlier choice yields only to a clear win
@@ -194,7 +194,7 @@ def _seconds(choice: Choice, hidden: int, inner: int, repeats: int = 3) -> float
     the lm_head's (each kernel once), or None if a kernel of the choice does not run here."""
     dt = DTYPES[choice.dtype]
     used = dict.fromkeys((choice.kernel, choice.head_kernel))
-    if not all(fast.kernel_works(k, dt) for k in used):
+    if not all(lean.kernel_works(k, dt) for k in used):
         return None
     return sum(_kernel_seconds(k, dt, hidden, inner, repeats) for k in used)
 
@@ -204,7 +204,7 @@ def _kernel_seconds(kernel: str, dt: torch.dtype, hidden: int, inner: int, repea
     count = max(2, min(16, WORKING_SET // (2 * inner * hidden * dt.itemsize)))
     gen = torch.Generator().manual_seed(0)
     layers = [
-        fast.PackedLinear((torch.randn(o, i, generator=gen) * 0.05).to(dt), None, kernel)
+        lean.PackedLinear((torch.randn(o, i, generator=gen) * 0.05).to(dt), None, kernel)
         for _ in range(count)
         for o, i in ((inner, hidden), (hidden, inner))
     ]

@@ -13,30 +13,19 @@ from __future__ import annotations
 import functools
 import os
 import platform
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from core.backends import cache as kv
+from core.backends.base import Backend
+from core.backends.lean.packed import QUANTIZED, PackedLinear
 from core.decode.settings import DecodeSettings
-from core.decode.step import (
-    Draft,
-    Drafter,
-    Forward,
-    NoDrafter,
-    accept,
-    commit,
-    decoder_layers,
-    prefill,
-    project,
-    tree_mask,
-    verify,
-)
+from core.decode.step import Forward, accept, commit, decoder_layers, prefill, tree_mask, verify
 from core.decode.tree import TreeBuffers, build_tree, load_tree
-from core.measure.clock import synchronizer
+from core.drafters.base import Draft, Drafter, NoDrafter
+from core.measure.clock import synchronizer, time_ms
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)  # nodes per verify forward, the root included
 KERNEL_LIMITS = (("oneDNN", "ONEDNN_MAX_CPU_ISA"), ("MKL", "MKL_ENABLE_INSTRUCTIONS"))
@@ -130,23 +119,8 @@ def shaped_tree(nodes: int) -> TreeBuffers:
     return build_tree(list(paths[: nodes - 1]))
 
 
-def time_ms(
-    fn: Callable[[], object], repeats: int = 5, sync: Callable[[], None] = lambda: None, fastest: bool = False
-) -> float:
-    """Median (or, `fastest`, the shortest) wall time of `fn` in ms, after one warm-up call."""
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return 1000 * (min(times) if fastest else sorted(times)[len(times) // 2])
-
-
 def step_costs(
-    model,
+    backend: Backend,
     context: list[int],
     drafter_for: Callable[[TreeBuffers], Drafter] | None = None,
     sizes: tuple[int, ...] = SIZES,
@@ -155,13 +129,13 @@ def step_costs(
 ) -> list[StepCost]:
     """The cost of one step after `context`, for each tree size. `drafter_for(tree)` builds the
     drafter whose proposal is timed (None: the tree's tokens are given, drafting costs 0)."""
-    device = model.device
+    device = backend.device
     sync = synchronizer(device)
     settings = DecodeSettings()
-    cache = kv.new_cache(model)
+    cache = backend.new_cache()
     with torch.inference_mode():
-        fwd = prefill(model, cache, torch.tensor(context, device=device))
-    past = kv.length(cache)
+        fwd = prefill(backend, cache, torch.tensor(context, device=device))
+    past = backend.length(cache)
     hidden, root = fwd.hidden[-1], torch.tensor(context[-1], device=device)
     out = []
     for n in sizes:
@@ -170,44 +144,46 @@ def step_costs(
         drafter = drafter_for(tree) if drafter_for and n > 1 else None
         tokens = torch.tensor((context * (n // len(context) + 1))[:n], device=device)  # real tokens
         draft = Draft(tokens, tree) if n > 1 else NoDrafter(device).propose(hidden, root)
-        parts = _parts(model, cache, past, draft, settings, repeats, sync)
+        parts = _parts(backend, cache, past, draft, settings, repeats, sync)
 
         def whole(draft=draft, drafter=drafter) -> None:
             with torch.inference_mode():
                 d = drafter.propose(hidden, root, context) if drafter else draft
                 if d.tree.size != draft.tree.size:  # a drafter may graft more nodes: keep the size
                     d = draft
-                commit(cache, past, accept(verify(model, cache, d), d, settings, None))
-                kv.truncate(cache, past)
+                commit(backend, cache, past, accept(verify(backend, cache, d), d, settings, None))
+                backend.truncate(cache, past)
 
         draft_ms = time_ms(lambda d=drafter: d.propose(hidden, root, context), repeats, sync) if drafter else 0.0
         out.append(StepCost(n, time_ms(whole, repeats, sync), draft_ms, **parts))
     return out
 
 
-def _parts(model, cache, past: int, draft: Draft, settings: DecodeSettings, repeats: int, sync) -> dict[str, float]:
+def _parts(
+    backend: Backend, cache, past: int, draft: Draft, settings: DecodeSettings, repeats: int, sync
+) -> dict[str, float]:
     """Each part of verify → accept → commit timed alone (the cache is cut back after each)."""
     tree = draft.tree
     with torch.inference_mode():
-        mask = tree_mask(model, draft, past)
-        hidden = decoder_layers(model, cache, draft, mask, past)[0]
-        kv.truncate(cache, past)
-        fwd = Forward(project(model, hidden), hidden)
+        mask = tree_mask(backend, draft, past)
+        hidden = decoder_layers(backend, cache, draft, mask, past)[0]
+        backend.truncate(cache, past)
+        fwd = Forward(backend.logits(hidden), hidden)
         result = accept(fwd, draft, settings, None)
 
         def layers() -> None:
-            decoder_layers(model, cache, draft, mask, past)
-            kv.truncate(cache, past)
+            decoder_layers(backend, cache, draft, mask, past)
+            backend.truncate(cache, past)
 
         def commit_only() -> None:
-            decoder_layers(model, cache, draft, mask, past)
-            commit(cache, past, result)
-            kv.truncate(cache, past)
+            decoder_layers(backend, cache, draft, mask, past)
+            commit(backend, cache, past, result)
+            backend.truncate(cache, past)
 
         timed = {
-            "mask_ms": time_ms(lambda: tree_mask(model, draft, past), repeats, sync) if tree.size > 1 else 0.0,
+            "mask_ms": time_ms(lambda: tree_mask(backend, draft, past), repeats, sync) if tree.size > 1 else 0.0,
             "layers_ms": time_ms(layers, repeats, sync),
-            "lm_head_ms": time_ms(lambda: project(model, hidden), repeats, sync),
+            "lm_head_ms": time_ms(lambda: backend.logits(hidden), repeats, sync),
             "accept_ms": time_ms(lambda: accept(fwd, draft, settings, None), repeats, sync),
         }
         timed["commit_ms"] = max(time_ms(commit_only, repeats, sync) - timed["layers_ms"], 0.0)
@@ -216,24 +192,21 @@ def _parts(model, cache, past: int, draft: Draft, settings: DecodeSettings, repe
 
 def row_macs(model) -> int:
     """Multiply-adds of one row through the model's linear layers (packed or not), the lm_head included."""
-    from core.backends import lean as fast  # core.backends.lean builds on this package's timing
-
     return sum(
-        m.in_features * m.out_features for m in model.modules() if isinstance(m, (torch.nn.Linear, fast.PackedLinear))
+        m.in_features * m.out_features for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))
     )
 
 
-def kernel_peak(model, rows: int = 32, outputs: int = 2048, repeats: int = 7) -> float:
+def kernel_peak(backend: Backend, rows: int = 32, outputs: int = 2048, repeats: int = 7) -> float:
     """The decoder layers' matmul kernel's multiply-adds a second here (G), at `rows` rows on a
     weight of the model's width that stays in the CPU cache: the most a tree's rows can get."""
-    from core.backends import lean as fast
-
+    model = backend.model
     hidden = model.config.get_text_config().hidden_size
-    kernel = fast.layer_kernel(model) or "dense"
-    dtype = torch.bfloat16 if kernel in fast.QUANTIZED else model.dtype
+    kernel = backend.layer_kernel or "dense"
+    dtype = torch.bfloat16 if kernel in QUANTIZED else model.dtype
     gen = torch.Generator().manual_seed(0)
     weight = (torch.randn(outputs, hidden, generator=gen) * 0.05).to(dtype)
-    layer = fast.PackedLinear(weight, None, kernel).to(model.device)
+    layer = PackedLinear(weight, None, kernel).to(model.device)
     x = torch.randn(rows, hidden, generator=gen).to(dtype=dtype, device=model.device)
     calls = 10
     sync = synchronizer(model.device)
@@ -247,9 +220,9 @@ def kernel_peak(model, rows: int = 32, outputs: int = 2048, repeats: int = 7) ->
     return outputs * hidden * rows * calls / ms / 1e6
 
 
-def row_floor(model, costs: list[StepCost]) -> RowFloor:
+def row_floor(backend: Backend, costs: list[StepCost]) -> RowFloor:
     """One more row's measured cost at each size against its arithmetic floor (`RowFloor`)."""
-    macs, peak = row_macs(model), kernel_peak(model)
+    macs, peak = row_macs(backend.model), kernel_peak(backend)
     one = costs[0]
     measured = {c.nodes: (c.total_ms - one.total_ms) / (c.nodes - one.nodes) for c in costs if c.nodes > one.nodes}
     return RowFloor(macs, peak, macs / peak / 1e6, measured)

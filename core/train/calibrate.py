@@ -16,21 +16,23 @@ costs more per verify forward, and on a CPU the forward grows fast with the toke
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from core.backends import cache as kv
-from core.decode.step import Draft, accept, commit, prefill, verify
+from core.backends.base import Backend
+from core.decode.settings import DecodeSettings
+from core.decode.step import accept, commit, prefill, verify
+from core.decode.tree import build_tree
+from core.drafters.base import Draft, NoDrafter
+from core.drafters.estimates import BINS, bin_middles, greedy_order, interpolate, probability_bins
+from core.drafters.fixed import LookupDrafter, MedusaDrafter
 from core.drafters.lookup import NgramIndex, node_count
-from core.measure.profile import time_ms
+from core.measure.clock import time_ms
 
 LOOKUP_SETTINGS = ((1, 4), (2, 4), (3, 4), (1, 6), (2, 6), (3, 6), (4, 8))  # (branches, length) tried
-BINS = 10  # a head's probabilities in bins 0.1 wide, for how often candidates of each were right
 
 # -- 1) positions -----------------------------------------------------------------------------
 
@@ -64,17 +66,6 @@ def rank_accuracies(replies: Sequence[Reply]) -> Tensor:
     return match.mean(dim=0)
 
 
-def probability_bins(probs: Tensor) -> Tensor:
-    """(…, K, R) head probabilities → index into a flattened (K, BINS) table: head k's bin of each."""
-    heads = torch.arange(probs.shape[-2]).unsqueeze(-1)  # (K, 1)
-    return (probs.float() * BINS).long().clamp(0, BINS - 1) + BINS * heads
-
-
-def bin_middles() -> Tensor:
-    """(BINS,) the middle probability of each bin."""
-    return (torch.arange(BINS) + 0.5) / BINS
-
-
 def reliability(replies: Sequence[Reply], prior: float = 5.0) -> Tensor:
     """(K, BINS): how often head k's candidates whose probability fell in each bin were right
     (every rank counted; `prior` pseudo-candidates at the bin's middle steady the sparse bins)."""
@@ -91,27 +82,6 @@ def greedy_tree(accuracy: Tensor, budget: int) -> list[list[int]]:
     """The `budget` rank paths with the highest estimated acceptance Π_k accuracy[k, r_k],
     grown from the root (each node's parent is added first, as §3.3.3 does)."""
     return [list(p) for p in greedy_order(accuracy, budget)[0]]
-
-
-def greedy_order(accuracy: Tensor, budget: int) -> tuple[list[tuple[int, ...]], list[float]]:
-    """`greedy_tree`'s paths in the order they join the tree, and after each the expected
-    accepted tokens of the tree so far (the sum of its paths' Π accuracy). Ranks of accuracy 0
-    are never used."""
-    k_heads, ranks = accuracy.shape
-    acc = accuracy.tolist()
-    frontier = [(-acc[0][r], (r,)) for r in range(ranks) if acc[0][r] > 0]
-    heapq.heapify(frontier)
-    paths: list[tuple[int, ...]] = []
-    gains: list[float] = []
-    while frontier and len(paths) < budget:
-        neg, path = heapq.heappop(frontier)
-        paths.append(path)
-        gains.append((gains[-1] if gains else 0.0) - neg)
-        if len(path) < k_heads:
-            for r in range(ranks):
-                if acc[len(path)][r] > 0:
-                    heapq.heappush(frontier, (neg * acc[len(path)][r], (*path, r)))
-    return paths, gains
 
 
 def expected_accept(accuracy: Tensor, paths: list[list[int]]) -> float:
@@ -192,18 +162,6 @@ def replay(
 # -- 4) latency and the choice ----------------------------------------------------------------
 
 
-def interpolate(latency: dict[int, float], size: float) -> float:
-    """Step latency at a (fractional) node count, linear between measured sizes."""
-    xs = sorted(latency)
-    if size <= xs[0] or len(xs) == 1:
-        return latency[xs[0]]
-    for a, b in itertools.pairwise(xs):
-        if size <= b:
-            return latency[a] + (latency[b] - latency[a]) * (size - a) / (b - a)
-    a, b = xs[0], xs[-1]  # beyond: the mean slope (the last two sizes may share one step of a staircase)
-    return latency[b] + (latency[b] - latency[a]) * (size - b) / (b - a)
-
-
 @dataclass(frozen=True)
 class Candidate:
     drafter: str  # "medusa", "lookup" or "hybrid"
@@ -257,22 +215,22 @@ def head_candidates(model, heads, ids: list[int], start: int, top: int) -> tuple
         return candidates.cpu(), probs.float().cpu()
 
 
-def verify_latency(model, context: list[int], trees: dict[int, object], settings) -> dict[int, float]:
+def verify_latency(backend: Backend, context: list[int], trees: dict[int, object], settings) -> dict[int, float]:
     """Verify + accept + cache commit time (ms) of one step, by tree size, after `context`."""
-    cache = kv.new_cache(model)
+    cache = backend.new_cache()
     with torch.inference_mode():
-        prefill(model, cache, torch.tensor(context, device=model.device))
-    past = kv.length(cache)
+        prefill(backend, cache, torch.tensor(context, device=backend.device))
+    past = backend.length(cache)
     out = {}
     for size, tree in sorted(trees.items()):
-        tokens = torch.tensor((context * (size // len(context) + 1))[:size], device=model.device)  # real tokens
+        tokens = torch.tensor((context * (size // len(context) + 1))[:size], device=backend.device)  # real tokens
 
         def step(tokens: Tensor = tokens, tree=tree) -> None:
             with torch.inference_mode():
                 draft = Draft(tokens, tree)
-                result = accept(verify(model, cache, draft), draft, settings, None)
-                commit(cache, past, result)
-                kv.truncate(cache, past)  # back to the context
+                result = accept(verify(backend, cache, draft), draft, settings, None)
+                commit(backend, cache, past, result)
+                backend.truncate(cache, past)  # back to the context
 
         out[size] = time_ms(step)
     return out
@@ -294,23 +252,20 @@ class Calibration:
 
 
 def calibrate(
-    model, heads, encoded: Sequence[list[int]], eos_ids, pad: int, max_new_tokens: int, budgets: Sequence[int],
-    lookups: Sequence[tuple[int, int]], progress: Callable[[int], None] = lambda n: None,
+    backend: Backend, heads, encoded: Sequence[list[int]], eos_ids, pad: int, max_new_tokens: int,
+    budgets: Sequence[int], lookups: Sequence[tuple[int, int]], progress: Callable[[int], None] = lambda n: None,
     say: Callable[[str], None] = lambda text: None,
 ) -> Calibration:  # fmt: skip
     """Greedy replies to `encoded` prompts, the heads' candidates at every reply position, this
     machine's step latency by tree size, and every (drafter, budget, lookup) option replayed."""
-    from core.decode.settings import DecodeSettings
-    from core.decode.step import NoDrafter
-    from core.decode.tree import build_tree
-    from core.drafters.fixed import LookupDrafter, MedusaDrafter
     from core.train import heads as train
 
+    model = backend.model
     # 1) greedy replies and the heads' candidates at every reply position
     replies = []
     for b in range(0, len(encoded), 8):
         batch = list(encoded[b : b + 8])
-        answers = train.greedy_answers(model, batch, eos_ids, pad, max_new_tokens)
+        answers = train.greedy_answers(backend, batch, eos_ids, pad, max_new_tokens)
         for ids, answer in zip(batch, answers, strict=True):
             if len(answer) > 1:
                 full = ids + answer
@@ -324,7 +279,7 @@ def calibrate(
     sizes = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 80, min(budgets[-1], 128) + 1})
     built = (build_tree(greedy_tree(accuracy, n - 1)).to(model.device) for n in sizes)
     trees = {t.size: t for t in built}  # keyed by the size built: heads may have fewer useful ranks
-    verify_ms = verify_latency(model, context, trees, DecodeSettings())
+    verify_ms = verify_latency(backend, context, trees, DecodeSettings())
     hidden = torch.zeros(model.config.get_text_config().hidden_size, device=model.device, dtype=model.dtype)
     root = torch.tensor(context[-1], device=model.device)
     medusa = MedusaDrafter(heads, trees[max(trees)])  # the deepest tree: every head computed

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from core.backends.lean import forward_of
+from core.backends.base import Backend
 from core.decode.generate import collect, stream
 from core.decode.settings import DecodeSettings
 from core.errors import UserError
@@ -57,7 +57,7 @@ def done_records(out_file: Path) -> int:
 
 
 def distill(
-    model: PreTrainedModel,
+    backend: Backend,
     prompts: list[list[int]],
     out_file: Path,
     eos_ids: tuple[int, ...],
@@ -94,9 +94,9 @@ def distill(
         asks = [prompts[i] + a for i, a in zip(batch, so_far, strict=True)]
         if sample:
             seeds = [SEED_STRIDE * sample + i + len(a) for i, a in zip(batch, so_far, strict=True)]
-            answers = sampled_answers(model, asks, eos_ids, budget, seeds)
+            answers = sampled_answers(backend, asks, eos_ids, budget, seeds)
         else:
-            answers = greedy_answers(model, asks, eos_ids, pad_id, budget)
+            answers = greedy_answers(backend, asks, eos_ids, pad_id, budget)
         with out_file.open("a", encoding="utf-8") as f:
             for i, start, more in zip(batch, so_far, answers, strict=True):
                 answer = start + more[: max_new_tokens - len(start)]
@@ -107,23 +107,23 @@ def distill(
 
 
 def sampled_answers(
-    model: PreTrainedModel, prompts: list[list[int]], eos_ids: tuple[int, ...], max_new_tokens: int, seeds: list[int]
+    backend: Backend, prompts: list[list[int]], eos_ids: tuple[int, ...], max_new_tokens: int, seeds: list[int]
 ) -> list[list[int]]:
     """Each prompt's reply sampled as `SAMPLED` says, one prompt at a time through the project's
     own decoding loop, from a generator seeded with the prompt's seed."""
     settings = replace(SAMPLED, max_new_tokens=max_new_tokens)
     return [
-        _own_loop(model, prompt, settings, eos_ids, torch.Generator(model.device).manual_seed(seed))
+        _own_loop(backend, prompt, settings, eos_ids, torch.Generator(backend.device).manual_seed(seed))
         for prompt, seed in zip(prompts, seeds, strict=True)
     ]
 
 
 def _own_loop(
-    model: PreTrainedModel, prompt: list[int], settings: DecodeSettings, eos_ids: tuple[int, ...],
+    backend: Backend, prompt: list[int], settings: DecodeSettings, eos_ids: tuple[int, ...],
     generator: torch.Generator | None = None,
 ) -> list[int]:  # fmt: skip
     """One reply through the project's own decoding loop (plain decoding, no drafter)."""
-    return list(collect(stream(model, prompt, settings, eos_ids=eos_ids, generator=generator))[1].token_ids)
+    return list(collect(stream(backend, prompt, settings, eos_ids=eos_ids, generator=generator))[1].token_ids)
 
 
 def unfinished(record: dict, eos_ids: tuple[int, ...], max_new_tokens: int) -> bool:
@@ -133,16 +133,17 @@ def unfinished(record: dict, eos_ids: tuple[int, ...], max_new_tokens: int) -> b
 
 
 def greedy_answers(
-    model: PreTrainedModel, prompts: list[list[int]], eos_ids: tuple[int, ...], pad_id: int, max_new_tokens: int
+    backend: Backend, prompts: list[list[int]], eos_ids: tuple[int, ...], pad_id: int, max_new_tokens: int
 ) -> list[list[int]]:
     """Each prompt's greedy reply, up to and with its end-of-turn token.
 
     On a CPU with the lean forward (`core.backends.lean`), one prompt at a time through the project's own
     decoding loop: batching through transformers' `generate` re-copies the whole cache every step
     and runs 2–3× slower there. Elsewhere (a GPU), left-padded batches through `generate`."""
-    if forward_of(model) is not None and model.device.type == "cpu":
+    model = backend.model
+    if backend.layer_kernel is not None and model.device.type == "cpu":  # the lean forward's packed kernels
         settings = DecodeSettings(max_new_tokens=max_new_tokens)
-        return [_own_loop(model, p, settings, eos_ids) for p in prompts]
+        return [_own_loop(backend, p, settings, eos_ids) for p in prompts]
     width = max(map(len, prompts))
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=model.device)  # left padding
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)

@@ -14,8 +14,9 @@ import random
 import time
 from collections.abc import Callable, Sequence
 
-from core.drafters.lookup import NgramIndex, common_prefix
+from core.drafters.lookup import NgramIndex
 from core.drafters.retrieval import EVIDENCE_CLASSES, RETRIEVAL_LENGTH, Corpus, SuffixIndex
+from core.sequences import common_prefix
 
 DRAFTS = ("context", "retrieval", "context+retrieval")  # what `evaluate` replays
 

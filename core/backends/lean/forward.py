@@ -1,0 +1,106 @@
+"""The lean forward: embedding → decoder layers → final norm of a Llama-family model on a StaticKV.
+
+It runs straight from the model's own modules (nothing is copied). Where every layer runs on the
+kernel library, a step's layers go through its whole-layer decoder in one call; a prompt is read
+through the same decoder, in causal blocks of the rows it takes, so a position's keys and values
+are the same bits whether a prefill or a step computed them.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import Tensor, nn
+
+from core.backends import q4
+from core.backends.base import Taps
+from core.backends.lean.kv import StaticKV
+from core.backends.lean.layer import LeanLayer, causal_mask, norm
+from core.backends.lean.native import native_decoder, run_native
+from core.backends.lean.rope import Rope
+
+
+class LeanForward:
+    """Embedding → decoder layers → final norm of a Llama-family model, on a StaticKV."""
+
+    def __init__(self, model: nn.Module) -> None:
+        base = model.base_model
+        config = model.config.get_text_config()
+        self.embed = base.embed_tokens
+        self.layers = [LeanLayer(layer, config, i) for i, layer in enumerate(base.layers)]
+        first = self.layers[0]
+        self.kv_heads, self.head_dim = first.kv_heads, first.head_dim
+        self.dtype = model.dtype
+        self.rope = Rope(base.rotary_emb, self.head_dim, self.dtype)
+        self.final_norm = norm(base.norm, q4.ops(self.dtype, model.device))
+        self.native = native_decoder(base.layers, config, self.layers)  # every layer in one call, or None
+        self._modules, self._config = base.layers, config
+        self._segments: dict[Taps, list[tuple[int, int, q4.Decoder]]] = {}
+
+    def new_cache(self) -> StaticKV:
+        return StaticKV(len(self.layers), self.kv_heads, self.head_dim, self.dtype)
+
+    def run(
+        self, ids: Tensor, positions: Tensor, mask: Tensor | None, cache: StaticKV, taps: Taps = ()
+    ) -> tuple[Tensor, Tensor | None]:
+        """(T,) tokens at (T,) positions after the cache's prefix → (T, H) final hidden states and,
+        with `taps` (hidden-state indices, ascending: the stream after that many layers), (T,
+        len(taps)·H) those streams side by side (None without taps).
+
+        `mask`: (1, 1, T, past + T) additive float mask, or None for causal attention. The T new
+        keys and values are appended to the cache."""
+        t, past = ids.numel(), cache.length
+        cache.reserve(past + t)
+        causal = mask is None and t > 1
+        if causal and past:  # a causal block after a prefix: build the mask (prefill on top of a cache)
+            mask, causal = causal_mask(t, past, self.dtype), False
+        rope = self.rope(positions)
+        x = self.embed(ids).contiguous()
+        tapped: list[Tensor] = []
+        if not taps:
+            if not run_native(self.native, x, rope, past, mask, causal, cache):
+                for layer in self.layers:
+                    x = layer(x, rope, cache, past, mask, causal)
+        elif self.native is not None and q4.Ops.takes(t, mask, causal, x.dtype):
+            tapped += [x.clone()] if 0 in taps else []
+            for start, stop, decoder in self._segments_for(taps):
+                run_native(decoder, x, rope, past, mask, causal, cache, start)
+                if stop in taps:
+                    tapped.append(x.clone())
+        else:
+            tapped += [x.clone()] if 0 in taps else []
+            for i, layer in enumerate(self.layers, 1):
+                x = layer(x, rope, cache, past, mask, causal)
+                tapped += [x.clone()] if i in taps else []
+        cache.length = past + t
+        return self.final_norm(x), torch.cat(tapped, dim=-1) if taps else None
+
+    def prefill(self, cache: StaticKV, ids: Tensor, taps: Taps = ()) -> tuple[Tensor, Tensor | None]:
+        """The prompt (n,) after the cache's prefix → (n, H) final hidden states (and the tapped
+        streams). Where the library's decoder runs the steps, the prompt goes through it too, in
+        causal blocks of as many rows as it takes: a position's keys and values are then the same
+        bits whether a prefill or a step computed them, so a reply that reuses a kept cache (steps'
+        entries) reads exactly as one that reads its whole prompt."""
+        library = self.native is not None
+        chunk = q4.Ops.MAX_ROWS if library else ids.numel()
+        every, tapped = [], []
+        for start in range(0, ids.numel(), chunk):
+            part, past = ids[start : start + chunk], cache.length
+            positions = torch.arange(past, past + part.numel(), device=ids.device)
+            # an explicit causal mask: a causal block without one is left to torch's attention
+            mask = causal_mask(part.numel(), past, self.dtype, ids.device) if library and part.numel() > 1 else None
+            hidden, streams = self.run(part, positions, mask, cache, taps)
+            every.append(hidden)
+            tapped.append(streams)
+        return torch.cat(every), torch.cat(tapped) if taps else None
+
+    def _segments_for(self, taps: Taps) -> list[tuple[int, int, q4.Decoder]]:
+        """The library's decoders over the layers between consecutive taps (built once per taps)."""
+        if taps not in self._segments:
+            bounds = sorted({0, *taps, len(self.layers)})
+            self._segments[taps] = [
+                (a, b, native_decoder(self._modules[a:b], self._config, self.layers[a:b]))
+                for a, b in itertools.pairwise(bounds)
+            ]
+        return self._segments[taps]

@@ -1,0 +1,60 @@
+"""How a backbone's weights are quantized as it loads: what `--quantization auto` means on this
+device and model, and bitsandbytes' configuration for nf4 and int8 (`models.loader` applies them)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import torch
+
+from core.backends import lean
+from core.errors import UserError
+from models.choices import QUANTIZATIONS
+
+
+def pick_quantization(name: str, device: torch.device, config: object, four_bit: bool = False) -> str:
+    """`auto`: nf4 on a GPU; on a CPU int4 for a model whose weights are 4-bit to begin with (the
+    embedded GGUF's Q4_1 blocks, which int4 keeps as they are) where the int4 kernel runs and no
+    dtype was asked for, else the model's own precision."""
+    if name not in QUANTIZATIONS:
+        raise UserError(f"Unknown quantization '{name}'; choose one of {', '.join(QUANTIZATIONS)}.")
+    if getattr(config, "quantization_config", None):
+        return "pre-quantized"  # the repo is already quantized (bitsandbytes and the like)
+    if name == "auto":
+        if device.type == "cuda":
+            return "nf4"
+        return "int4" if four_bit and lean.servable(config) and lean.kernel_works("int4", torch.bfloat16) else "none"
+    if name == "int4" and device.type != "cpu":
+        raise UserError("--quantization int4 is for the CPU; on a GPU use nf4.")
+    if name in ("nf4", "int8") and device.type == "cpu":
+        print(
+            f"warning: {name} on the CPU uses bitsandbytes' approximate kernel: tree and plain decoding may "
+            "differ slightly; use --quantization none for exact results.",
+            file=sys.stderr,
+        )
+    return name
+
+
+def bnb_config(quant: str, dtype: torch.dtype, device: torch.device | None = None) -> object:
+    """bitsandbytes' `BitsAndBytesConfig` for "nf4" or "int8" weights, computing in `dtype` (bf16
+    for float32); one UserError sentence where bitsandbytes cannot run them on `device`."""
+    try:
+        import bitsandbytes
+        from transformers import BitsAndBytesConfig
+    except ImportError as e:
+        raise UserError("4-bit and 8-bit loading need bitsandbytes; run `pip install bitsandbytes`.") from e
+    if device is not None and device.type == "cpu" and importlib.util.find_spec("bitsandbytes.backends.cpu") is None:
+        raise UserError(
+            f"bitsandbytes {bitsandbytes.__version__} runs {quant} on CUDA only; on the CPU use --quantization int4 "
+            "(Llama-family models) or none, or update bitsandbytes."
+        )
+    if quant == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    compute = dtype if dtype != torch.float32 else torch.bfloat16
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute,
+    )
