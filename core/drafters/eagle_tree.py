@@ -29,6 +29,7 @@ from core.backends import lean as fast
 from core.decode.tree import CONTEXT, EAGLE, RETRIEVAL, ROOT, build_tree, from_parents
 from core.drafters.base import Draft, Drafter
 from core.drafters.eagle import EagleDraft, scaled_taps
+from core.drafters.eagle3 import Eagle3Draft, LeanEagle3
 from core.drafters.estimates import PRIOR_CURVE, CostCurve
 from core.drafters.fixed import continuations, with_branches
 from core.drafters.lookup import NgramIndex, node_count
@@ -114,7 +115,7 @@ class EagleDrafter(Drafter):
         length: int = 4,
         depth: int = DEPTH,
     ) -> None:
-        self.lean = LeanDraft(draft, dtype)
+        self.lean = LeanEagle3(draft, dtype) if isinstance(draft, Eagle3Draft) else LeanDraft(draft, dtype)
         self.depth = depth
         self.curve = curve
         self.fixed_budget = budget  # None: chosen each step from the costs
