@@ -15,7 +15,7 @@ What the published code computes, and how it differs from the project's own `Eag
   backbone's). The embedding is the backbone's.
 
 `Eagle3Draft` holds the weights (an `EagleDraft` to every caller: same members, same meaning);
-`LeanEagle3` runs it on packed weights with the lean backend's parts, as `eagle_tree.LeanDraft`
+`LeanEagle3` runs it on packed weights with the lean backend's parts, as `lean_draft.LeanDraft`
 runs the project's own.
 """
 
@@ -31,6 +31,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 from core.backends import cache as kv
 from core.backends import lean as fast
 from core.drafters.eagle import EagleDraft
+from core.drafters.lean_draft import LeanDraft, draft_kernel
 
 
 def midlayer(config: LlamaConfig) -> LlamaDecoderLayer:
@@ -122,13 +123,13 @@ class _MidLayer(fast.LeanLayer):
         return self(self.norm_hidden(x) if self.before else x, rope, cache, past, mask, causal)
 
 
-class LeanEagle3:
-    """`Eagle3Draft` on packed weights, with `eagle_tree.LeanDraft`'s members: fc → the layer on a
+class LeanEagle3(LeanDraft):
+    """`Eagle3Draft` on packed weights, a `LeanDraft` (its cache and room for rows): fc → the layer on a
     StaticKV; `log_probs` reads out through norm and the draft's lm_head."""
 
-    def __init__(self, draft: Eagle3Draft, dtype: torch.dtype) -> None:
+    def __init__(self, draft: Eagle3Draft, dtype: torch.dtype) -> None:  # not LeanDraft's: another layer
         device = draft.fc.weight.device
-        kernel = next((k for k in ("q8", "onednn") if device.type == "cpu" and fast.kernel_works(k, dtype)), "dense")
+        kernel = draft_kernel(device, dtype)
         layer = copy.deepcopy(draft.midlayer).to(device=device, dtype=dtype)  # a copy to pack
         fast.pack_layer(layer, kernel)
         self.layer = _MidLayer(layer, draft.config, draft.norm_before_residual)
@@ -143,17 +144,10 @@ class LeanEagle3:
         """The committed positions' (n, (taps + 1)·H) features → (n, H): fc over the tapped streams."""
         return self.fc(features[:, : self.fc.in_features].to(self.dtype))
 
-    def new_cache(self) -> fast.StaticKV:
-        return fast.StaticKV(1, self.layer.kv_heads, self.layer.head_dim, self.dtype, device=self.device)
-
     def __call__(self, features: Tensor, ids: Tensor, positions: Tensor, mask, cache: fast.StaticKV) -> Tensor:
         """(T, H) features and (T,) next tokens at (T,) positions → (T, H) the layer's outputs;
         their keys and values are appended after the cache's length (which is not moved)."""
-        t, past = ids.numel(), cache.length
-        cache.reserve(past + t)
-        causal = mask is None and t > 1
-        if causal and past:
-            mask, causal = fast.causal_mask(t, past, self.dtype, self.device), False
+        past, mask, causal = self.room(ids.numel(), mask, cache)
         embedded = self.embed(ids).to(self.dtype)
         return self.layer.run(features.to(self.dtype), embedded, self.rope(positions), cache, past, mask, causal)
 

@@ -18,20 +18,19 @@ reach the draft's cache (lazily, in one forward when drafting resumes).
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from core.backends import lean as fast
 from core.decode.tree import CONTEXT, EAGLE, RETRIEVAL, ROOT, build_tree, from_parents
 from core.drafters.base import Draft, Drafter
-from core.drafters.eagle import EagleDraft, scaled_taps
+from core.drafters.eagle import EagleDraft
 from core.drafters.eagle3 import Eagle3Draft, LeanEagle3
 from core.drafters.estimates import PRIOR_CURVE, CostCurve
 from core.drafters.fixed import continuations, with_branches
+from core.drafters.lean_draft import LeanDraft
 from core.drafters.lookup import NgramIndex, node_count
 from core.drafters.policy import Choice
 from core.drafters.retrieval import RETRIEVAL_LENGTH, Corpus
@@ -45,56 +44,6 @@ DEPTH = 6  # how far ahead the draft looks
 BUDGETS = (2, 4, 6, 8, 12, 16, 24, 32)  # drafted-node counts a step may verify
 PROBE_EVERY = 8  # while plain steps win, draft every this many steps to keep measuring
 MIN_CHANCE = 0.15  # a node less likely than this to be accepted is not expanded (a depth costs ~0.1 steps)
-
-
-class LeanDraft:
-    """The draft model on packed weights: fc → one `fast.LeanLayer` → norm, on a StaticKV."""
-
-    def __init__(self, draft: EagleDraft, dtype: torch.dtype) -> None:
-        device = draft.fc.weight.device
-        kernel = next(
-            (k for k in ("q8", "onednn") if device.type == "cpu" and fast.kernel_works(k, dtype)), "dense"
-        )  # q8: the library runs the whole layer in one call (fast.run_native)
-        config = draft.layer.self_attn.config
-        layer = copy.deepcopy(draft.layer).to(device=device, dtype=dtype)  # a copy to pack, made where the draft is
-        fast.pack_layer(layer, kernel)  # on a GPU "dense", and torch's ops (fast.LeanLayer keys them by device)
-        self.fc = fast.PackedLinear(draft.fc.weight.to(dtype), draft.fc.bias.to(dtype), kernel)
-        self.taps = draft.taps
-        self.fuse = fast.PackedLinear(draft.fuse.weight.to(dtype), None, kernel) if draft.taps else None
-        self.layer = fast.LeanLayer(layer, config, 0)
-        self.native = fast.native_decoder([layer], config, [self.layer])
-        self.rope = fast.Rope(draft.rotary, self.layer.head_dim, dtype)
-        self.norm = fast.norm(copy.deepcopy(draft.norm).to(device=device, dtype=dtype))
-        self.readout = fast.PackedLinear(draft.readout_weight.to(dtype), None, kernel)
-        self.vocab = draft.vocab
-        self.embed = draft.embed
-        self.dtype, self.device = dtype, device
-
-    def fused(self, features: Tensor) -> Tensor:
-        """`EagleDraft.fused` on the packed weights: the committed positions' (n, H) features."""
-        if self.fuse is None:
-            return features
-        return self.fuse(scaled_taps(features, len(self.taps)).to(self.dtype))
-
-    def new_cache(self) -> fast.StaticKV:
-        return fast.StaticKV(1, self.layer.kv_heads, self.layer.head_dim, self.dtype, device=self.device)
-
-    def __call__(self, features: Tensor, ids: Tensor, positions: Tensor, mask, cache: fast.StaticKV) -> Tensor:
-        """(T, H) features and (T,) next tokens at (T,) positions → (T, H) predicted features;
-        their keys and values are appended after the cache's length (which is not moved)."""
-        t, past = ids.numel(), cache.length
-        cache.reserve(past + t)
-        x = self.fc(torch.cat([features.to(self.dtype), self.embed(ids).to(self.dtype)], dim=-1))
-        causal = mask is None and t > 1
-        if causal and past:
-            mask, causal = fast.causal_mask(t, past, self.dtype, self.device), False
-        rope = self.rope(positions)
-        if not fast.run_native(self.native, x, rope, past, mask, causal, cache):
-            x = self.layer(x, rope, cache, past, mask, causal)
-        return self.norm(x)
-
-    def log_probs(self, predicted: Tensor) -> Tensor:
-        return torch.log_softmax(self.readout(predicted).float(), dim=-1)
 
 
 class EagleDrafter(Drafter):
