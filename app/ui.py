@@ -189,8 +189,9 @@ def _wire(demo: gr.Blocks, p: SimpleNamespace, controls: list, h: Handlers) -> N
     # the controls
     p.colors.change(h.recolor, [p.session, p.colors], p.chatbot)
     p.acceptance.change(h.toggle_typical, p.acceptance, [p.epsilon, p.delta])
-    for c in controls:  # any change saves them all as the next start's defaults
-        c.change(h.remember, controls, None, queue=False)
+    for c in controls:  # any change saves them all as the next start's defaults: one at a time, in
+        # the order the changes were made (unqueued, a slow earlier save could land after a later one)
+        c.change(h.remember, controls, None, concurrency_id="remember", concurrency_limit=1)
 
     # the last reply, the model, the page
     p.compare_btn.click(h.compare, [p.session, *controls], p.compare_out, api_name="compare", **common)
