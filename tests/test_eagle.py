@@ -328,7 +328,7 @@ def test_published_checkpoints_that_do_not_fit_are_refused_in_one_sentence(tmp_p
     torch.save({"midlayer.self_attn.q_proj.weight": torch.zeros(64, 128), "d2t": torch.zeros(8)}, tmp_path / "p.bin")
     (tmp_path / "three").mkdir()
     (tmp_path / "p.bin").rename(tmp_path / "three" / "pytorch_model.bin")
-    with pytest.raises(UserError, match="EAGLE-3 drafter without a readable config.json"):
+    with pytest.raises(UserError, match="EAGLE-3 drafter without a readable config"):
         load_published(tmp_path / "three", model)
     _eagle1_checkpoint(tmp_path / "wide", tiny_model("llama", vocab=96), seed=1)
     narrow = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
