@@ -22,8 +22,6 @@ class AutoDrafter(Drafter):
     """A drafter whose tree the policy chooses each step, from the heads' top candidates and the
     context's continuations; `observe` feeds each step's outcome back to the policy."""
 
-    reads_features = True  # not the features themselves: `feed`'s position says where a reply starts
-
     def __init__(
         self,
         heads,
@@ -41,16 +39,13 @@ class AutoDrafter(Drafter):
         self.corpus = corpus if policy.use_retrieval else None
         self._trees: dict[tuple, TreeBuffers] = {}
         self._length = self._next_length = -1  # the history's length at the last step, and after it
-        self._new_reply: bool | None = None  # told by `feed` (None: never fed, the lengths tell)
+        self._new_reply: bool | None = None  # told by `rewind` (None: never told, the lengths tell)
         self._last: tuple | None = None  # (choice, candidates, probs, found, retrieved, evidence) of the step
 
-    def feed(self, features: Tensor, next_ids: Tensor, position: int) -> None:
-        """The decode loop's word on where a step starts: position 0 begins a new reply (steps
-        another drafter took in between, under `switch.Fastest`, are not one)."""
-        self._new_reply = position == 0 or bool(self._new_reply)
-
     def rewind(self, prompt_ids: Sequence[int], reused: int) -> int:
-        """A new reply (its prompt read from position `reused` on): the policy's state needs none of the prompt's."""
+        """A new reply (its prompt read from position `reused` on): the policy's state needs none of the
+        prompt's. The loop says so before every reply (steps another drafter took in between, under
+        `switch.Fastest`, are not one)."""
         self._new_reply = True
         return reused
 

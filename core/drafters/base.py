@@ -2,7 +2,8 @@
 harmless defaults, and the two things every loop has (a step's `Draft`, and `NoDrafter`).
 
 What the loop (`core.decode.generate.stream`) calls, in order, for one reply:
-1) `rewind(prompt_ids, reused)` before the prefill, when the kept cache already holds part of the prompt;
+1) `rewind(prompt_ids, reused)` before every reply's prefill (`reused`: the prompt positions the kept
+   cache holds, 0 without one);
 2) `feed(...)` after the prefill, then after each step, only where `reads_features` (with the
    streams at `taps` before the last feature);
 3) per step: `propose(...)`, then `last_choice` is read; after verify → accept → commit, `observe(...)`.

@@ -144,12 +144,12 @@ class Fastest(Drafter):
                 drafter.feed(features, next_ids, position)
 
     def rewind(self, prompt_ids: Sequence[int], reused: int) -> int:
-        """A new reply: every contender that reads features keeps what the one keeping least keeps
-        (see `core.decode.generate.resume`); the second pass cuts back those asked before it answered."""
+        """A new reply, told to every contender: each keeps what the one keeping least keeps (see
+        `core.decode.generate.resume`; one without state of the prompt keeps all it is told); the
+        second pass cuts back those asked before it answered."""
         for _ in range(2):
             for drafter in self.drafters.values():
-                if drafter.reads_features:
-                    reused = min(reused, drafter.rewind(prompt_ids, reused))
+                reused = min(reused, drafter.rewind(prompt_ids, reused))
         return reused
 
     def propose(self, hidden: Tensor, root: Tensor, history: Sequence[int] = ()) -> Draft:
