@@ -35,6 +35,11 @@ def model_options(p: argparse.ArgumentParser, heads: bool = True) -> None:
             help="EAGLE drafter: a file from train-drafter, or an EAGLE-1/2 checkpoint's folder or hub repo id "
             "(default: the model's own)",
         )
+        p.add_argument(
+            "--draft-model",
+            help="a smaller model of the same tokenizer that drafts for this one (catalog id, hub repo, folder), "
+            "or self: this model's own weights in 4 bits drafting for it in full precision (--quantization none)",
+        )
     p.add_argument("--dtype", default="auto", choices=("auto", *DTYPE_NAMES), help="auto: measured on this machine")
     p.add_argument("--device", default="auto", type=device_name, help="auto, cpu, cuda or cuda:N")
     p.add_argument(
@@ -154,6 +159,7 @@ def setup(args: argparse.Namespace, kinds: tuple[str, ...] | None, fixed: tuple[
     from app.drafting import load_parts
     from core.decode.tree import AUTO, load_preset, preset_names
     from core.drafters.build import auto_drafter, make_drafter
+    from core.drafters.draft_model import MISSING
     from core.drafters.registry import needs
     from models.loader import load_backbone, resolve, resolve_eagle, resolve_heads, step_costs
 
@@ -169,9 +175,12 @@ def setup(args: argparse.Namespace, kinds: tuple[str, ...] | None, fixed: tuple[
     heads_dir = (resolve_heads(args.heads) if args.heads else spec.heads_folder) if need.heads else None
     given = getattr(args, "eagle", None)
     eagle_path = (resolve_eagle(given) if given else spec.eagle) if need.eagle_if_any else None
+    draft_model = getattr(args, "draft_model", None)
+    if need.draft and not draft_model:  # refused before anything loads
+        raise UserError(MISSING)
     backbone = load_backbone(args.model, args.dtype, args.device, args.quantization, spec=spec)
     depth = max([preset.tree.max_depth, *(p.tree.max_depth for p in fixed_presets.values()), 4])
-    parts = load_parts(backbone, need, heads_dir, eagle_path, num_heads=depth)
+    parts = load_parts(backbone, need, heads_dir, eagle_path, num_heads=depth, draft_model=draft_model)
     if need.heads and not parts.trained:
         print(
             "warning: no trained Medusa heads for this model, so drafts are rarely accepted; pass --heads FOLDER.",
@@ -183,14 +192,14 @@ def setup(args: argparse.Namespace, kinds: tuple[str, ...] | None, fixed: tuple[
         tree = p.tree.to(device)
         name = f"Tree '{p.name}'"
         return make_drafter(
-            kind, parts.heads, tree, name, p.lookup_branches, p.lookup_length, parts.corpus, parts.eagle
+            kind, parts.heads, tree, name, p.lookup_branches, p.lookup_length, parts.corpus, parts.eagle, parts.draft
         )
 
     costs = None  # the machine's step-cost curve (the caller measures it when `needed`, at an idle moment)
     if auto and kinds:
         costs = step_costs(backbone, parts.heads if own.heads else None)
         drafters = {
-            k: auto_drafter(k, parts.heads, costs.curve, preset, parts.trained, parts.corpus, parts.eagle)
+            k: auto_drafter(k, parts.heads, costs.curve, preset, parts.trained, parts.corpus, parts.eagle, parts.draft)
             for k in kinds
         }
     else:

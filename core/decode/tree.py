@@ -26,11 +26,11 @@ Path_ = tuple[int, ...]
 
 
 # where a node's token came from ("both": the heads and a lookup; "retrieval": the model's past
-# replies; "eagle": the EAGLE draft layer)
-SOURCES = ("root", "heads", "context", "both", "retrieval", "eagle")
+# replies; "eagle": the EAGLE draft layer; "draft": a draft model)
+SOURCES = ("root", "heads", "context", "both", "retrieval", "eagle", "draft")
 DRAFT_SOURCES = SOURCES[1:]  # where an accepted drafted token came from
 AUTO = "auto"  # the tree name that lets the speculation policy choose each step's tree (the default)
-ROOT, HEADS, CONTEXT, BOTH, RETRIEVAL, EAGLE = range(6)
+ROOT, HEADS, CONTEXT, BOTH, RETRIEVAL, EAGLE, DRAFT = range(7)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from core.decode.tree import Preset, TreeBuffers
 from core.drafters import registry
 from core.drafters.auto import AutoDrafter
 from core.drafters.base import Drafter, NoDrafter
+from core.drafters.draft_model import DraftModel, draft_model_drafter
 from core.drafters.eagle import EagleDraft
 from core.drafters.eagle_tree import eagle_drafter
 from core.drafters.estimates import CostCurve
@@ -35,12 +36,16 @@ def make_drafter(
     length: int = 4,
     corpus: Corpus | None = None,
     eagle: EagleDraft | None = None,
+    draft: DraftModel | None = None,
 ) -> Drafter:
     """The drafter called `kind` (one of `registry.DRAFTERS`) on the fixed tree `tree`; `corpus`:
-    the past replies a kind that retrieves copies from (None: none); `eagle`: the EAGLE draft layer
-    a kind that requires it drafts with, up to as many nodes as `tree` has."""
+    the past replies a kind that retrieves copies from (None: none); `eagle`, `draft`: the EAGLE
+    draft layer or the draft model a kind that requires it drafts with, up to as many nodes as
+    `tree` has."""
     row = registry.kind(kind)
     corpus = corpus if row.retrieval else None
+    if row.draft == registry.REQUIRED:
+        return draft_model_drafter(draft, corpus=corpus, budget=tree.size - 1, branches=branches, length=length)
     if row.eagle == registry.REQUIRED:
         return eagle_drafter(eagle, corpus=corpus, budget=tree.size - 1, branches=branches, length=length)
     if not row.heads:
@@ -62,20 +67,30 @@ def auto_drafter(
     trained: bool = True,
     corpus: Corpus | None = None,
     eagle: EagleDraft | None = None,
+    draft: DraftModel | None = None,
 ) -> Drafter:
     """The policy-driven drafter for `kind`: the heads (if it drafts with them) with their prior
     from `preset`'s calibration (untrained heads start near 0), the context and the past replies in
     `corpus` (if it copies from them), each step's tree chosen from the costs `curve()`. A kind that
     requires the EAGLE layer `eagle` drafts with it and both lookups, its node count chosen from the
     costs; one for which it is OPTIONAL runs whichever of the two decodes faster on this machine,
-    measured as it runs, where the model has a layer."""
+    measured as it runs, where the model has a layer. The same for the draft model `draft`."""
     row = registry.kind(kind)
     if row.eagle == registry.REQUIRED:
         return eagle_drafter(eagle, curve, corpus if row.retrieval else None)
-    if row.eagle == registry.OPTIONAL and eagle is not None:
-        heads_tree = auto_drafter(kind, heads, curve, preset, trained, corpus)
-        contenders = {"heads": heads_tree, "eagle": eagle_drafter(eagle, curve, corpus), "plain": NoDrafter()}
-        return Fastest(contenders, reference="plain")  # a tree runs once it is measurably faster
+    if row.draft == registry.REQUIRED:
+        return draft_model_drafter(draft, curve, corpus if row.retrieval else None)
+    optional = {
+        "eagle": eagle if row.eagle == registry.OPTIONAL else None,
+        "draft": draft if row.draft == registry.OPTIONAL else None,
+    }
+    if any(v is not None for v in optional.values()):
+        contenders: dict[str, Drafter] = {"heads": auto_drafter(kind, heads, curve, preset, trained, corpus)}
+        if optional["eagle"] is not None:
+            contenders["eagle"] = eagle_drafter(eagle, curve, corpus)
+        if optional["draft"] is not None:
+            contenders["draft"] = draft_model_drafter(draft, curve, corpus)
+        return Fastest(contenders | {"plain": NoDrafter()}, reference="plain")  # a tree runs once measurably faster
     use_heads = row.heads and heads is not None
     prior = None
     if use_heads:

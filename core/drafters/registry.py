@@ -15,7 +15,7 @@ from dataclasses import astuple, dataclass
 
 from core.errors import UserError
 
-NO, OPTIONAL, REQUIRED = "no", "optional", "required"  # how a kind uses the EAGLE draft layer
+NO, OPTIONAL, REQUIRED = "no", "optional", "required"  # how a kind uses the EAGLE draft layer or a draft model
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class Kind:
     context: bool  # copies continuations from the conversation itself
     retrieval: bool  # copies continuations from the model's past replies (the reply corpus, where one ships)
     eagle: str = NO  # REQUIRED: drafts with the EAGLE layer; OPTIONAL: with --tree auto, also where the model has one
+    draft: str = NO  # REQUIRED: drafts with a draft model; OPTIONAL: with --tree auto, also where one is given
 
     @property
     def copies(self) -> bool:
@@ -37,7 +38,7 @@ class Kind:
         """How many tokens ahead its drafts reach (what per-depth stats are kept for), given the
         heads' depth and the lookups' continuation length: the heads' unless it copies from the
         conversation alone, the lookups' where it copies at all."""
-        alone = self.context and not (self.heads or self.retrieval or self.eagle != NO)  # the context lookup
+        alone = self.context and not (self.heads or self.retrieval or self.eagle != NO or self.draft != NO)
         return max(0 if alone else heads, lookup_length if self.copies else 0)
 
 
@@ -49,9 +50,11 @@ KINDS = {k.name: k for k in (
     Kind("retrieval", "copies from the model's past replies", "Past replies",
          heads=False, context=False, retrieval=True),
     Kind("hybrid", "all in one tree", "Heads + context + past replies (hybrid)",
-         heads=True, context=True, retrieval=True, eagle=OPTIONAL),
+         heads=True, context=True, retrieval=True, eagle=OPTIONAL, draft=OPTIONAL),
     Kind("eagle", "an EAGLE draft layer and both lookups", "EAGLE layer + context + past replies",
          heads=False, context=True, retrieval=True, eagle=REQUIRED),
+    Kind("draft", "a draft model (--draft-model) and both lookups", "Draft model + context + past replies",
+         heads=False, context=True, retrieval=True, draft=REQUIRED),
 )}  # fmt: skip
 DRAFTERS = tuple(KINDS)  # the kinds' names, in the table's order
 
@@ -76,6 +79,7 @@ class Needs:
     eagle: bool = False  # the EAGLE layer, which must load (a drafter cannot run without it)
     eagle_if_any: bool = False  # the EAGLE layer where the model has one (a drafter runs without it)
     corpus: bool = False  # the reply corpus, for retrieval
+    draft: bool = False  # a draft model, which must be given (a drafter cannot run without it)
 
     def __or__(self, other: Needs) -> Needs:
         return Needs(*(a or b for a, b in zip(astuple(self), astuple(other), strict=True)))
@@ -91,4 +95,5 @@ def needs(names: Iterable[str], auto: bool) -> Needs:
         eagle=eagle,
         eagle_if_any=eagle or (auto and any(k.eagle == OPTIONAL for k in rows)),
         corpus=any(k.retrieval for k in rows),
+        draft=any(k.draft == REQUIRED for k in rows),
     )
