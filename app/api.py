@@ -4,10 +4,13 @@ A request becomes an `Engine.reply`, exactly like a chat turn, so it waits behin
 already queued on the engine's one compute thread (the chat's included) and never runs beside
 them. A reply comes whole or, with `"stream": true`, as server-sent events: one chunk per
 decoding step, then `data: [DONE]`. Every reply, and the last chunk with a `finish_reason`,
-carries a `medusa` field with the speculation figures. Mistakes are OpenAI error objects with
-a 4xx status (503 while the model loads), one sentence each, never a traceback. A body must be
-sent as JSON (`app.guard`, around the server, has checked its host, origin, key and size), and
-a reply whose client has gone away, whole or streamed, ends at its next step.
+carries a `medusa` field with the speculation figures (and the draft model loaded). A request
+whose `draft_model` differs from the loaded one loads it first (or none, for null), for every
+reply after it too; one that does not load is a 400 and the draft model stays. Mistakes are
+OpenAI error objects with a 4xx status (503 while the model loads), one sentence each, never a
+traceback. A body must be sent as JSON (`app.guard`, around the server, has checked its host,
+origin, key and size), and a reply whose client has gone away, whole or streamed, ends at its
+next step.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from app.engine import Engine, NotReady, Reply, figures
+from app.engine import Engine, NotReady, Reply, draft_name, figures
 from app.openai_request import ApiError, Call, parse
 from core.decode.generate import Finished, StepEvent, collect
 from core.errors import ContextExceeded, UserError
@@ -55,6 +58,8 @@ def router(engine: Engine) -> APIRouter:
         # watched once the body is read (a watcher's receive would take its messages); streamed: `_sse` takes over
         watcher = asyncio.create_task(_watch(request, stop))
         try:
+            if call.draft_model is not None and draft_name(call.draft_model) != engine.draft_model:
+                await run_in_threadpool(_switch_draft, engine, call.draft_model)
             reply = await run_in_threadpool(engine.reply, call.request, stop.is_set)
             # the first step (the prefill) waits for this reply's turn; errors come before any byte is sent
             first = await run_in_threadpool(next, reply.events)
@@ -110,6 +115,16 @@ async def _watch(request: Request, stop: threading.Event) -> None:
     stop.set()
 
 
+def _switch_draft(engine: Engine, name: str) -> None:
+    """The engine's draft model switched to `name` (none for ""); a 400 naming the field if it does not load."""
+    try:
+        engine.set_draft_model(name)
+    except NotReady:
+        raise
+    except UserError as e:
+        raise ApiError(400, str(e), "draft_model", "invalid_value") from None
+
+
 def _user_error(e: UserError) -> ApiError:
     if isinstance(e, NotReady):
         return ApiError(503, str(e), "model", "model_not_ready", "server_error")
@@ -161,6 +176,7 @@ class _Completion:
             "accepted_per_step": accepted,
             "mean_accepted_per_step": sum(decode) / len(decode) if decode else 0.0,
             "mode": request.mode, "drafter": self.reply.drafter, "tree": self.reply.tree,
+            "draft_model": self.reply.draft_model,
             "acceptance": request.settings.acceptance, "dropped_messages": self.reply.dropped,
         }  # fmt: skip
 

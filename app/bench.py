@@ -55,6 +55,9 @@ class Run:
     plain_steps: int = 0  # decode steps whose tree was the root alone
     first_token_seconds: float = 0.0  # the prefill: the prompt read, the first token chosen (0: not measured)
     prompt_tokens: int = 0
+    depths: tuple[
+        tuple[int, int], ...
+    ] = ()  # per draft depth: (steps that offered a node there, steps that accepted one)
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class Summary:
     first_difference: float | None = None  # mean position of the first differing token, over the prompts that differ
     mean_nodes: float = 0.0  # tree modes: mean verify-forward size of a decode step (1 = plain)
     plain_share: float = 0.0  # tree modes: share of decode steps the policy (or tree) ran plain
+    acceptance: tuple[float, ...] = ()  # tree modes: per depth, accepted ÷ offered where the path reached it
 
 
 def check_modes(modes: Iterable[str]) -> tuple[str, ...]:
@@ -100,14 +104,15 @@ def run_once(
     seed: int,
     peers: dict[str, Peer] | None = None,
     stock: dict[str, PreTrainedModel] | None = None,
-) -> tuple[int, int, float, float, tuple[int, ...], int, int, float, int]:
+) -> tuple[int, int, float, float, tuple[int, ...], int, int, float, int, tuple[tuple[int, int], ...]]:
     """(tokens, steps, seconds, seconds spent drafting, the reply, verify nodes, plain steps, seconds
-    to the first token, prompt tokens) of one reply in one mode (verify nodes and plain steps 0
-    outside our loop). `stock`: the unmodified model for each transformers mode (default: `backend`'s)."""
+    to the first token, prompt tokens, per-depth acceptance counts) of one reply in one mode (verify
+    nodes, plain steps and depths empty outside our loop). `stock`: the unmodified model for each
+    transformers mode (default: `backend`'s)."""
     n = len(prompt_ids)
     if mode in PEERS:  # one token per forward
         reply, seconds, *first = (peers or {})[mode](prompt_ids, settings, eos_ids)
-        return len(reply), len(reply), seconds, 0.0, reply, 0, 0, first[0] if first else 0.0, n
+        return len(reply), len(reply), seconds, 0.0, reply, 0, 0, first[0] if first else 0.0, n, ()
     if mode == "baseline" or mode in drafters:
         generator = torch.Generator(backend.device).manual_seed(seed)
         events, done = collect(
@@ -125,11 +130,53 @@ def run_once(
         nodes = sum(max(e.tree_size, 1) for e in events[1:])
         plain = sum(e.tree_size <= 1 for e in events[1:])
         first = done.first_token_seconds
-        return len(done.token_ids), done.steps, done.seconds, drafting, done.token_ids, nodes, plain, first, n
+        depths = depth_counts(events[1:])
+        return len(done.token_ids), done.steps, done.seconds, drafting, done.token_ids, nodes, plain, first, n, depths
     reply, steps, seconds, first = _run_hf(
         mode, (stock or {}).get(mode, backend.model), prompt_ids, settings, eos_ids, seed
     )
-    return len(reply), steps, seconds, 0.0, reply, 0, 0, first, n
+    return len(reply), steps, seconds, 0.0, reply, 0, 0, first, n, ()
+
+
+def depth_counts(events) -> tuple[tuple[int, int], ...]:
+    """Per draft depth d (1, 2, …): how many steps offered a node at depth d under the accepted
+    path's node at depth d − 1, and how many of those accepted one (the acceptance rate by depth)."""
+    offered: list[int] = []
+    accepted: list[int] = []
+    for e in events:
+        parents, path = e.parents, e.path
+        if len(parents) <= 1:
+            continue
+        for d in range(1, len(path) + 1):
+            if not any(parents[c] == path[d - 1] for c in range(1, len(parents))):
+                break  # nothing drafted under the deepest accepted node
+            while len(offered) < d:
+                offered.append(0)
+                accepted.append(0)
+            offered[d - 1] += 1
+            accepted[d - 1] += d < len(path)
+    return tuple(zip(offered, accepted, strict=True))
+
+
+def acceptance(runs: list[Run]) -> tuple[float, ...]:
+    """Accepted ÷ offered per depth over `runs`."""
+    depth = max((len(r.depths) for r in runs), default=0)
+    totals = [[0, 0] for _ in range(depth)]
+    for r in runs:
+        for d, (o, a) in enumerate(r.depths):
+            totals[d][0] += o
+            totals[d][1] += a
+    return tuple(a / o if o else 0.0 for o, a in totals)
+
+
+def acceptance_lines(summary: dict[str, Summary]) -> str:
+    """One line per tree mode: its acceptance rate at each draft depth."""
+    lines = [
+        f"acceptance by depth, {mode}: " + " ".join(f"{a:.2f}" for a in s.acceptance)
+        for mode, s in summary.items()
+        if s.acceptance
+    ]
+    return "\n".join(lines)
 
 
 def _run_hf(
@@ -209,7 +256,7 @@ def summarize(runs: list[Run]) -> dict[str, Summary]:
         out[mode] = Summary(
             tokens, steps, seconds, tokens / seconds, tokens / steps, 1000 * seconds / steps, drafting / seconds,
             exact if plain else None, first, sum(r.nodes for r in mine) / decode_steps,
-            sum(r.plain_steps for r in mine) / decode_steps,
+            sum(r.plain_steps for r in mine) / decode_steps, acceptance(mine),
         )  # fmt: skip
     return out
 

@@ -11,6 +11,11 @@ resolved tree and drafter, and the event stream). No decoding logic here.
 The last reply's cache is kept (`core.backends.cache.Kept`): the next request, whatever asks for it,
 reads only the part of its prompt that the kept conversation does not share. One conversation
 is kept at a time, for the loaded model only (loading another drops it).
+
+A draft model (`--draft-model`, `set_draft_model`) loads with the model and can be swapped while
+the app runs; it belongs to the model it drafts for, so switching models drops it, except `self`
+(the model's own weights in 4 bits), which is loaded again for the new model. The draft drafter
+keeps its own cache, so swapping it leaves the kept conversation as it is.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -36,16 +41,20 @@ from core.decode.tree import AUTO, Preset, load_preset, preset_names
 from core.drafters import registry
 from core.drafters.base import Drafter
 from core.drafters.build import auto_drafter, make_drafter
+from core.drafters.draft_model import DraftModel
 from core.drafters.eagle import EagleDraft
 from core.drafters.retrieval import Corpus
 from core.errors import UserError
 from core.measure.costs import StepCosts
+from models.draft_model import SELF, load_draft_model
 from models.loader import Backbone, load_backbone, resolve, resolve_eagle, resolve_heads, step_costs
 
 LEARN_BATCH = 100  # saved replies tokenized per compute job
 log = logging.getLogger("medusa-chat")
 
 MODEL_TREE = "(model default)"  # the tree name that means the loaded model's calibrated preset
+NO_DRAFT = ("", "none")  # draft model names (any case) that mean none, as None does
+DRAFT_OFF = "The chat runs without a draft model."  # after a draft model's failure at launch or a model switch
 
 
 class NotReady(UserError):
@@ -72,6 +81,7 @@ class Reply:
     drafter: str | None  # the drafter resolved; None for plain decoding
     depth: int  # how far ahead the drafts reach (0 for plain decoding): the depths stats are kept for
     events: Iterator[StepEvent | Finished] = field(repr=False)  # the stream; starts when first read
+    draft_model: str | None = None  # the draft model loaded when the reply was asked for (None: none)
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,7 @@ class Loaded:
     costs: StepCosts  # this machine's step-cost curve for the model, measured once
     corpus: Corpus | None = None  # the model's past replies, for retrieval drafting (None: none ships)
     eagle: EagleDraft | None = None  # the EAGLE draft layer (None: none ships or was given)
+    draft: DraftModel | None = None  # the draft model (None: none given, or it failed to load)
 
 
 class Engine:
@@ -91,9 +102,10 @@ class Engine:
 
     def __init__(self, model: str, dtype: str = "auto", device: str = "auto", quantization: str = "auto",
                  heads: str | None = None, past_replies: Callable[[], list[str]] | None = None,
-                 eagle: str | None = None) -> None:  # fmt: skip
+                 eagle: str | None = None, draft_model: str | None = None) -> None:  # fmt: skip
         self.options = {"dtype": dtype, "device": device, "quantization": quantization}
         self.eagle_arg = eagle
+        self.draft_arg = draft_name(draft_model)  # loaded with the model the app starts with
         self.past_replies = past_replies
         self.heads_arg = heads
         self.model_id = model
@@ -129,6 +141,7 @@ class Engine:
             except UserError as e:  # a bad --eagle costs the EAGLE drafter, not the model
                 print(f"{e} The EAGLE drafter is off.", file=sys.stderr)
                 eagle_path = None
+        draft = self._draft_after(model, own)  # --draft-model downloads in `build`, at launch on the compute thread
 
         def build() -> Loaded:
             self.kept.clear()  # the old model's cache: no use to another, and its memory is wanted now
@@ -136,15 +149,75 @@ class Engine:
             parts = load_parts(backbone, EVERYTHING, heads_dir, eagle_path)  # a layer that does not fit: EAGLE is off
             default = spec.tree if spec.tree in preset_names() else "cpu-16"
             costs = step_costs(backbone, parts.heads)
-            return Loaded(backbone, parts.heads, parts.trained, default, costs, parts.corpus, parts.eagle)
+            loaded = Loaded(backbone, parts.heads, parts.trained, default, costs, parts.corpus, parts.eagle,
+                            self._draft_or_none(backbone, draft))  # fmt: skip
+            self._install(loaded)  # here, on the compute thread: no reply or draft model swap runs in between
+            self.model_id, self.error = model, None
+            return loaded
 
         loaded = self.compute.call(build)
-        self.loaded, self.model_id, self.error = loaded, model, None
-        self._drafters.clear()
         if loaded.corpus is not None and self.past_replies is not None:  # at idle moments, like the costs
             self._measure(self._learn(loaded))
         if loaded.costs.needed:  # one tree size per job, so a reply waits for one size at most
             self._measure(loaded.costs.steps())
+
+    def _install(self, loaded: Loaded) -> None:
+        """Make `loaded` the engine's (on the compute thread), dropping the drafters built from the one it replaces."""
+        with self._drafters_lock:
+            self.loaded = loaded
+            self._drafters.clear()
+
+    @property
+    def draft_model(self) -> str | None:
+        """The loaded draft model's name, as it was given (a catalog id, a hub repo, a folder or self); None: none."""
+        draft = getattr(self.loaded, "draft", None)  # (None while loading)
+        return draft.name if draft is not None else None
+
+    def set_draft_model(self, name: str | None, on_progress: Callable | None = None) -> None:
+        """Draft with the model `name` (a catalog id, a hub repo, a folder, or self: the loaded
+        model's own weights in 4 bits) from the next reply on; None, "" or "none": no draft model.
+        It downloads in the caller's thread and loads on the compute thread, after the replies
+        queued. One sentence (UserError) if it does not load or does not fit the loaded model
+        (another vocabulary, self on a model in 4 bits), or no model is loaded: the draft model
+        loaded before stays."""
+        name = draft_name(name)
+        self.require()
+        if name == self.draft_model:
+            return
+        if name is not None and name != SELF:
+            resolve(name, on_progress)  # downloads here; an unknown name is refused before anything is queued
+
+        def swap() -> None:
+            loaded = self.require()  # the model loaded now, whatever loaded while this waited
+            self._install(replace(loaded, draft=self._load_draft(loaded.backbone, name) if name else None))
+
+        self.compute.call(swap)
+
+    def _draft_after(self, model: str, own: bool) -> str | None:
+        """The draft model to load with `model`: the one loaded now (before the first load, --draft-model) when
+        `own` (the same model again); for another model only self, which is that model's own weights."""
+        current = self.draft_model if self.loaded is not None else self.draft_arg
+        return current if own or current == SELF else None
+
+    def _draft_or_none(self, backbone: Backbone, name: str | None) -> DraftModel | None:
+        """The draft model `name` for `backbone`; None, saying why on stderr, if it does not load or fit."""
+        if name is None:
+            return None
+        try:
+            return self._load_draft(backbone, name)
+        except UserError as e:  # a bad draft model costs the draft model, not the model
+            print(f"{e} {DRAFT_OFF}", file=sys.stderr)
+            return None
+
+    def _load_draft(self, backbone: Backbone, name: str) -> DraftModel:
+        """`models.draft_model.load_draft_model`, with any failure as one sentence (UserError)."""
+        try:
+            return load_draft_model(backbone, name)
+        except UserError:
+            raise
+        except Exception as e:
+            log.exception("loading the draft model %s failed", name)
+            raise UserError(f"Loading the draft model {name} failed ({type(e).__name__}); see the log.") from e
 
     def _learn(self, loaded: Loaded) -> Iterator[None]:
         """Index the user's saved replies for retrieval drafting: tokenized `LEARN_BATCH` at a time,
@@ -173,6 +246,7 @@ class Engine:
         b = self.loaded.backbone
         heads = "trained heads" if self.loaded.trained else "untrained heads (few drafts accepted)"
         heads += " · EAGLE drafter" if self.loaded.eagle is not None else ""
+        heads += f" · draft model {self.draft_model}" if self.draft_model else ""
         dtype = str(b.model.dtype).removeprefix("torch.")
         # a tree's many-row verify forward may round unlike a one-row step (bf16, 4-bit kernels, GPUs)
         promise = exactness(b.backend)
@@ -201,17 +275,21 @@ class Engine:
         if tree_name == AUTO:
             preset = load_preset(loaded.default_tree)
             drafter = auto_drafter(
-                kind or preset.drafter, loaded.heads, loaded.costs.curve, preset, loaded.trained, loaded.corpus,
-                loaded.eagle,
+                kind or self._default_kind(preset), loaded.heads, loaded.costs.curve, preset, loaded.trained,
+                loaded.corpus, loaded.eagle, loaded.draft,
             )  # fmt: skip
         else:
             preset = load_preset(tree_name)
             tree = preset.tree.to(loaded.backbone.model.device)
             drafter = make_drafter(
-                kind or preset.drafter, loaded.heads, tree, f"Tree '{preset.name}'",
-                preset.lookup_branches, preset.lookup_length, loaded.corpus, loaded.eagle,
+                kind or self._default_kind(preset), loaded.heads, tree, f"Tree '{preset.name}'",
+                preset.lookup_branches, preset.lookup_length, loaded.corpus, loaded.eagle, loaded.draft,
             )  # fmt: skip
         return preset, drafter
+
+    def _default_kind(self, preset: Preset) -> str:
+        """The drafter that runs where the request names none (the preset's, or the draft model's)."""
+        return registry.default_kind(preset.drafter, self.draft_model is not None)
 
     def prepare(self, messages: list[dict], system: str, settings: DecodeSettings) -> Fitted:
         """The prompt for a conversation, its oldest turns left out if it would not fit the
@@ -230,15 +308,15 @@ class Engine:
         if request.drafter:
             registry.kind(request.drafter)  # an unknown one is refused here
         fitted = self.prepare(request.messages, request.system, request.settings)
-        tree, kind, depth, drafter = None, None, 0, None
+        tree, kind, depth, drafter, draft = None, None, 0, None, self.draft_model
         if request.mode == "medusa":
             tree = self._tree(request.tree)
             preset, drafter = self.drafter(tree, request.drafter or None)
-            kind = request.drafter or preset.drafter
+            kind = request.drafter or self._default_kind(preset)
             heads = self.require().heads.num_heads if tree == AUTO else preset.tree.max_depth
             depth = registry.kind(kind).reach(heads, preset.lookup_length)
         events = self.generate(fitted.ids, request.settings, drafter, should_stop, request.seed)
-        return Reply(fitted.ids, fitted.note, fitted.dropped, tree, kind, depth, events)
+        return Reply(fitted.ids, fitted.note, fitted.dropped, tree, kind, depth, events, draft)
 
     def _tree(self, choice: str) -> str:
         """A tree choice as AUTO or a preset name ("" means AUTO, MODEL_TREE the model's own preset)."""
@@ -289,6 +367,13 @@ class Engine:
 
     def token_text(self, token_id: int) -> str:
         return self.require().backbone.tokenizer.decode([token_id])
+
+
+def draft_name(name: str | None) -> str | None:
+    """A draft model's name as the engine keeps it: stripped; None for none (None, "" or "none")."""
+    if name is None or name.strip().lower() in NO_DRAFT:
+        return None
+    return name.strip()
 
 
 def figures(done: Finished) -> dict:

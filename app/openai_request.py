@@ -4,7 +4,9 @@ Every mistake is an `ApiError`: an HTTP status and one sentence naming the field
 which `app.api` sends as OpenAI's error object. Ranges are `DecodeSettings`' own checks, so the
 API refuses exactly what the chat and the command line refuse. Fields that would change the
 reply in a way this server cannot honour (n > 1, tools, penalties, logprobs) are refused;
-others that only describe the caller (user, metadata, store) are ignored.
+others that only describe the caller (user, metadata, store) are ignored. Our own extra fields:
+`mode`, `tree`, `drafter`, `acceptance`, `epsilon`, `delta`, `top_k`, and `draft_model` (the draft
+model to load before the reply, or null for none).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ REFUSED = {  # field → the value that means "not used"; anything else is refus
 }
 SEEDS = (-(2**63), 2**64 - 1)  # what torch's generator takes (a negative seed wraps around, as in torch)
 SHOWN = 60  # characters of a value echoed in an error message: a 100 KB value is not sent back whole
+NAME_LENGTH = 1024  # the longest draft model name taken (a catalog id, a hub repo, a folder's path)
 
 
 class ApiError(Exception):
@@ -50,6 +53,7 @@ class Call:
     request: ReplyRequest
     stream: bool  # server-sent events, one chunk per decoding step
     include_usage: bool  # streaming: a last chunk with the token counts (stream_options.include_usage)
+    draft_model: str | None = None  # the draft model to reply with; "" none (JSON null); None: as loaded
 
 
 def parse(body: object, model_id: str) -> Call:
@@ -79,7 +83,7 @@ def parse(body: object, model_id: str) -> Call:
         drafter=_choice(body, "drafter", ("", *DRAFTERS), ""),
         seed=_seed(body),
     )  # fmt: skip
-    return Call(request, stream, include_usage)
+    return Call(request, stream, include_usage, _draft_model(body))
 
 
 def _messages(value: object) -> tuple[list[dict], str]:
@@ -194,6 +198,26 @@ def _text_field(body: dict, field: str, default: str) -> str:
         raise ApiError(400, f"'{field}' must be a string, got {_shown(value)}.", field, "invalid_type")
     if len(value) > SHOWN:  # a name, which later messages quote whole
         raise ApiError(400, f"'{field}' must be a name, got {_shown(value)}.", field, "invalid_value")
+    return value
+
+
+def _draft_model(body: dict) -> str | None:
+    """The draft model the body asks for: a name, "" for none (null), None where it names none."""
+    if "draft_model" not in body:
+        return None
+    value = body["draft_model"]
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ApiError(
+            400, f"'draft_model' must be a model's name (a string) or null, got {_shown(value)}.", "draft_model",
+            "invalid_type",
+        )  # fmt: skip
+    if len(value) > NAME_LENGTH:
+        raise ApiError(
+            400, f"'draft_model' must be a name of at most {NAME_LENGTH} characters, got {len(value):,}.",
+            "draft_model", "invalid_value",
+        )  # fmt: skip
     return value
 
 

@@ -91,12 +91,12 @@ def tree_html(
     """The candidate tree of one step as nested lists; the accepted path highlighted.
 
     tokens[i] is the text of node i (node 0 the root, its own parent); sources[i] says where
-    node i came from ("heads", "context", "both", "retrieval", "eagle")."""
+    node i came from ("heads", "context", "both", "retrieval", "eagle", "draft")."""
     children: dict[int, list[int]] = {}
     for i in range(1, len(parents)):
         children.setdefault(parents[i], []).append(i)
     on_path = set(accepted_path)
-    tag = {"heads": "", "context": "ctx", "both": "both", "retrieval": "past", "eagle": "eagle"}
+    tag = {"heads": "", "context": "ctx", "both": "both", "retrieval": "past", "eagle": "eagle", "draft": "draft"}
 
     def node(i: int) -> str:
         cls = "node accepted" if i in on_path else "node"

@@ -43,6 +43,7 @@ SOURCE_LABEL = {
     "both": "from both",
     "retrieval": "copied from the model's past replies",
     "eagle": "from the EAGLE layer",
+    "draft": "from the draft model",
 }
 LINK_REL = "noopener noreferrer nofollow"
 
@@ -312,13 +313,13 @@ def _link_tail(text: str, pos: int) -> int | None:
 
 
 def step_source(sources: tuple[str, ...]) -> str:
-    """One label for a step's accepted drafts: "context", "retrieval" or "eagle" when that source
-    proposed them all (some also by the heads), "heads" when the heads did, "both" when both did
-    throughout."""
+    """One label for a step's accepted drafts: "context", "retrieval", "eagle" or "draft" when that
+    source proposed them all (some also by the heads), "heads" when the heads did, "both" when both
+    did throughout."""
     kinds = set(sources)
     if not kinds or kinds == {"both"}:
         return "both" if kinds else ""
-    for lookup in ("context", "retrieval", "eagle"):
+    for lookup in ("context", "retrieval", "eagle", "draft"):
         if kinds <= {lookup, "both"}:
             return lookup
     return "heads"
@@ -333,6 +334,7 @@ LEGEND = (
     '<span class="st c4 src-context">dashed underline</span> = copied from the conversation, '
     '<span class="st c5 src-both">double underline</span> = proposed by both, '
     '<span class="st c0 src-retrieval">dotted underline</span> = copied from the model\'s past replies, '
-    '<span class="st c1 src-eagle">wavy underline</span> = drafted by the EAGLE layer. '
+    '<span class="st c1 src-eagle">wavy underline</span> = drafted by the EAGLE layer, '
+    '<span class="st c2 src-draft">lined above and below</span> = drafted by the draft model. '
     "Hover a run for its step.</div>"
 )

@@ -18,7 +18,7 @@ from app.engine import MODEL_TREE, Engine
 from app.panels import stats_html
 from app.render import LEGEND
 from app.ui_events import Handlers
-from app.ui_session import chat_choices
+from app.ui_session import DRAFT_NONE, chat_choices, draft_choices, draft_note
 from core.decode.tree import AUTO, preset_names
 from models import catalog
 
@@ -35,10 +35,12 @@ def build(engine: Engine) -> gr.Blocks:
         with gr.Row():
             chat = _chat_column(engine)
             with gr.Column(scale=2):
-                named = _decoding(saved, trees)
+                named, draft = _decoding(saved, trees, engine)
                 panels = _panels(engine)
         timer = gr.Timer(1.0)
-        page = SimpleNamespace(**vars(sidebar), **vars(chat), **vars(panels), **named, session=session, timer=timer)
+        page = SimpleNamespace(
+            **vars(sidebar), **vars(chat), **vars(panels), **vars(draft), **named, session=session, timer=timer
+        )
         _wire(demo, page, [named[name] for name in NAMES], Handlers(engine, startup_problems))
     return demo
 
@@ -90,8 +92,9 @@ def _chat_column(engine: Engine) -> SimpleNamespace:
     )  # fmt: skip
 
 
-def _decoding(saved: dict, trees: list) -> dict[str, gr.components.Component]:
-    """The decoding controls, starting from the saved settings, by the names of `app.controls.NAMES`."""
+def _decoding(saved: dict, trees: list, engine: Engine) -> tuple[dict[str, gr.components.Component], SimpleNamespace]:
+    """The decoding controls, starting from the saved settings, by the names of `app.controls.NAMES`;
+    then the draft-model control (the engine's, not a reply's setting)."""
     with gr.Accordion("Decoding", open=True):
         decoding = gr.Radio(list(DECODING), value=saved["decoding"], label="Decoding", elem_id="decoding")
         acceptance = gr.Radio(
@@ -120,15 +123,29 @@ def _decoding(saved: dict, trees: list) -> dict[str, gr.components.Component]:
             DRAFTER_MENU,
             value=saved["drafter"], label="Drafter", elem_id="drafter",
             info="Where drafts come from: the heads, copies from the conversation or from the model's "
-            "past replies, all in one tree, or the EAGLE draft layer",
+            "past replies, all in one tree, the EAGLE draft layer, or the draft model below",
         )  # fmt: skip
+        draft = _draft_model(engine)
         colors = gr.Checkbox(value=saved["colors"], label="Color the tokens of each step", elem_id="colors")
         system = gr.Textbox(value=saved["system"], label="System prompt", lines=2)
     return {
         "system": system, "decoding": decoding, "acceptance": acceptance, "epsilon": epsilon, "delta": delta,
         "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new, "tree": tree, "drafter": drafter,
         "colors": colors,
-    }  # fmt: skip
+    }, draft  # fmt: skip
+
+
+def _draft_model(engine: Engine) -> SimpleNamespace:
+    """The draft model the engine holds: none, the model itself in 4 bits, the catalog's suggestion
+    or any id or folder typed in; the line under it says what is loaded or suggests one."""
+    loaded, suggested = engine.draft_model, catalog.draft_for(engine.model_id)
+    draft_model = gr.Dropdown(
+        draft_choices(suggested, loaded), value=loaded or DRAFT_NONE, allow_custom_value=True,
+        label="Draft model", elem_id="draft-model",
+        info="A smaller model with this model's tokenizer that drafts for it; type a hub id or a folder",
+    )  # fmt: skip
+    draft_info = gr.Markdown(draft_note(loaded, suggested, None), elem_id="draft-info")
+    return SimpleNamespace(draft_model=draft_model, draft_info=draft_info)
 
 
 def _panels(engine: Engine) -> SimpleNamespace:
@@ -200,3 +217,10 @@ def _wire(demo: gr.Blocks, p: SimpleNamespace, controls: list, h: Handlers) -> N
     p.load_btn.click(h.switch, p.model, p.status, **common)
     p.timer.tick(h.poll_status, None, [p.status, p.timer], api_name="status", queue=False)
     demo.load(h.on_load, p.session, [p.session, p.status])
+
+    # the draft model: loaded on the model thread like a model switch, one at a time with replies;
+    # `input` (the user's change only): putting the control back after a refusal loads nothing
+    draft_outputs = [p.draft_model, p.draft_info]
+    p.draft_model.input(h.set_draft_model, p.draft_model, [*draft_outputs, p.status], **common)
+    # the model or the draft model changed (a switch, the first load): its choices and suggestion again
+    p.status.change(h.draft_state, None, draft_outputs, api_name=False, queue=False)

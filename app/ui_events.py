@@ -25,14 +25,18 @@ import gradio as gr
 
 from app import store
 from app.controls import ACCEPTANCE, Controls
-from app.engine import Engine, figures
+from app.engine import Engine, draft_name, figures
 from app.panels import compare_html, stats_html, step_html
 from app.render import reply_html, step_source
 from app.ui_session import (
+    DRAFT_NONE,
     Session,
     begin_turn,
     chat_choices,
     conversation,
+    draft_choices,
+    draft_note,
+    literal,
     messages,
     reply_stats,
     save_partial,
@@ -44,6 +48,15 @@ from core.errors import UserError
 from models import catalog
 
 log = logging.getLogger("medusa-chat")
+
+
+def _downloads(progress: gr.Progress):
+    """A loader's on_progress that shows each file's download on `progress`."""
+
+    def on_progress(p) -> None:
+        progress((p.done, p.total), desc=f"Downloading {p.file}", unit="bytes")
+
+    return on_progress
 
 
 def _skips(n: int) -> tuple:
@@ -264,17 +277,46 @@ class Handlers:
 
     # Download (with progress) and load another model; the status line after.
     def switch(self, model_id: str, progress=gr.Progress()) -> str:  # noqa: B008 (how gradio injects progress)
-        def on_progress(p):
-            progress((p.done, p.total), desc=f"Downloading {p.file}", unit="bytes")
-
         try:
-            self.engine.load(model_id, on_progress)
+            self.engine.load(model_id, _downloads(progress))
         except UserError as e:
             gr.Warning(str(e))
         except Exception as e:
             log.exception("switching to %s failed", model_id)
             gr.Warning(f"Loading {model_id} failed ({type(e).__name__}); details are in the log.")
         return self.engine.status()
+
+    # Load the draft model chosen (an id, a folder, "self" or "none"), with progress; a refusal is warned
+    # and the control goes back to the draft model loaded. Returns the control, the line under it and the status.
+    def set_draft_model(self, choice: str | None, progress=gr.Progress()) -> tuple:  # noqa: B008
+        name = draft_name(choice)
+        if name != self.engine.draft_model:
+            try:
+                self.engine.set_draft_model(name, _downloads(progress))
+            except UserError as e:
+                gr.Warning(str(e))
+                return *self._draft_outputs(str(e)), self.engine.status()
+            except Exception as e:
+                log.exception("loading the draft model %s failed", name)
+                problem = f"Loading the draft model {name} failed ({type(e).__name__}); details are in the log."
+                gr.Warning(problem)
+                return *self._draft_outputs(problem), self.engine.status()
+        return *self._draft_outputs(), self.engine.status()
+
+    # The draft-model control and the line under it, for the model and the draft model loaded now.
+    def draft_state(self) -> tuple:
+        return self._draft_outputs()
+
+    def _draft_outputs(self, problem: str = "") -> tuple:
+        """The draft-model control (back on the draft model loaded) and the line under it: `problem`
+        where there is one, else the loaded draft model or the catalog's suggestion."""
+        loaded = self.engine.draft_model
+        suggested = catalog.draft_for(self.engine.model_id)
+        own = self.engine.loaded
+        own_drafter = None if own is None else bool(own.trained or own.eagle is not None)
+        note = literal(problem) if problem else draft_note(loaded, suggested, own_drafter)
+        choices = draft_choices(suggested, loaded)
+        return gr.update(choices=choices, value=loaded or DRAFT_NONE), note
 
     # The status line, polled until the model has loaded (or failed to).
     def poll_status(self) -> tuple:

@@ -7,6 +7,7 @@ A `Session` lives in the page's `gr.State`, so every browser tab has its own.
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ from app.panels import depth_rates, stats_html
 from app.render import reply_html, text_html
 from core.decode.generate import StepEvent
 from core.decode.tree import AUTO
+from core.drafters.registry import KINDS
 
 
 @dataclass
@@ -52,6 +54,36 @@ def reply_stats(stats: dict, events: list[StepEvent], max_depth: int) -> str:
 def tree_setting(choice: str) -> str:
     """The tree dropdown's value as saved in the settings: "" for Auto."""
     return "" if choice == AUTO else choice
+
+
+DRAFT_NONE, DRAFT_SELF = "none", "self"  # the draft-model control's values for no draft model and the target in 4 bits
+DRAFT_FIXED = [(DRAFT_NONE, DRAFT_NONE), ("self — this model in 4 bits (for full precision)", DRAFT_SELF)]
+
+
+def draft_choices(suggested: str | None, loaded: str | None) -> list[tuple[str, str]]:
+    """The draft-model control's (label, value) choices: none, self, the catalog's suggestion for
+    the model, and the loaded draft model where it is none of those (a typed id or folder)."""
+    out = list(DRAFT_FIXED)
+    for name in (suggested, loaded):
+        if name and name not in (value for _, value in out):
+            out.append((name if name != suggested else f"{name} (suggested for this model)", name))
+    return out
+
+
+def draft_note(loaded: str | None, suggested: str | None, own_drafter: bool | None) -> str:
+    """The line under the draft-model control: the loaded draft model, or the catalog's suggestion
+    where the model has no drafter of its own (`own_drafter` None: not known yet, still loading)."""
+    if loaded:
+        return f"Draft model loaded: {literal(loaded)}; the drafter *{literal(KINDS['draft'].label)}* drafts with it."
+    if suggested and own_drafter is False:
+        return f"This model has no trained Medusa heads or EAGLE layer: try the draft model {literal(suggested)}."
+    return ""
+
+
+def literal(text: str) -> str:
+    """`text` as Markdown that shows it as it is: every ASCII punctuation mark backslash-escaped
+    (a typed name or folder is not markup)."""
+    return re.sub(r"([!-/:-@\[-`{-~])", r"\\\1", " ".join(str(text).split()))
 
 
 def conversation(turns: list[store.Turn], message: str) -> list[dict]:

@@ -2,7 +2,8 @@
 
 An entry says where the backbone and the heads come from (hub repo, revision, which files),
 how the heads are stored, which chat template and tree preset to use, and what the download
-and the 4-bit memory cost roughly. This module only reads and validates that data.
+and the 4-bit memory cost roughly, and which smaller model of the same tokenizer drafts for it
+(`draft_for`). This module only reads and validates that data.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Entry:
     license: str  # short license note
     notes: str = ""
     eagle: Source | None = None  # a published EAGLE-1/2 drafter for this backbone (None: none)
+    draft_model: str | None = None  # a smaller model of the same tokenizer to draft with (a hub repo; None: none known)
 
     @property
     def embedded(self) -> bool:
@@ -75,14 +77,23 @@ def entries() -> tuple[Entry, ...]:
             license=e["license"],
             notes=e.get("notes", ""),
             eagle=_source(e.get("eagle")),
+            draft_model=e.get("draft_model"),
         )
         assert entry.head_format in HEAD_FORMATS, entry
+        assert entry.draft_model is None or (entry.draft_model and not entry.embedded), entry
         out.append(entry)
     return tuple(out)
 
 
 def find(model_id: str) -> Entry | None:
     return next((e for e in entries() if e.id == model_id), None)
+
+
+def draft_for(model_id: str) -> str | None:
+    """The draft model the catalog suggests for `model_id` (a hub repo of the same tokenizer, for
+    `--draft-model`); None for a model outside the catalog, the embedded one, or one with none known."""
+    entry = find(model_id)
+    return entry.draft_model if entry is not None else None
 
 
 def get(model_id: str) -> Entry:

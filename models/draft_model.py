@@ -33,7 +33,13 @@ def load_draft_model(target: Backbone, name: str, on_progress=None) -> DraftMode
         spec = resolve(name, on_progress)
         label = name
     config = _config(spec.folder)
-    quantization = "int4" if device.type == "cpu" and config is not None and lean.servable(config) else "auto"
+    servable = config is not None and lean.servable(config)
+    if name == SELF and device.type == "cpu" and not servable:
+        raise UserError(
+            f"--draft-model self needs the 4-bit CPU kernels, which serve Llama-family models, not "
+            f"{getattr(config, 'model_type', 'this model')}; choose a smaller model of the same tokenizer instead."
+        )
+    quantization = "int4" if device.type == "cpu" and servable else "auto"
     draft = load_backbone(spec.name, "auto", str(device), quantization, spec=spec, on_progress=on_progress)
     check_vocabulary(target, draft, label)
     return DraftModel(name, draft.backend, len(target.tokenizer))

@@ -334,3 +334,56 @@ def test_ctrl_c_stops_the_chat_command(tmp_path):
             proc.kill()
     assert proc.returncode == 0 and out == ""
     assert f"running at http://127.0.0.1:{port}" in err and err.rstrip().endswith("medusa-chat stopped.")
+
+
+# ---- the draft model: the `draft_model` field and the "draft" drafter (tiny model folders, fast) ----
+
+
+@pytest.mark.parametrize(("value", "code"), [(1, "invalid_type"), (["x"], "invalid_type"), (False, "invalid_type"),
+                                             ("x" * 2000, "invalid_value")])  # fmt: skip
+def test_a_draft_model_that_is_not_a_name_is_400(unloaded, value, code):
+    message = assert_error(post(unloaded, draft_model=value), 400, "draft_model", code)
+    assert "'draft_model' must be" in message and len(message) < 200  # the value is not echoed whole
+
+
+@pytest.fixture(scope="module")
+def tiny_api(tmp_path_factory):
+    from types import SimpleNamespace
+
+    from tests.test_engine import draft_folders, tiny_engine
+
+    folders = draft_folders(tmp_path_factory.mktemp("api-draft"))
+    with tiny_engine(folders.target) as engine:
+        app = FastAPI()
+        app.include_router(api.router(engine))
+        yield SimpleNamespace(client=TestClient(app), engine=engine, folders=folders)
+
+
+def test_the_draft_model_field_switches_the_engines_and_a_bad_one_keeps_it(tiny_api):
+    from core.drafters.draft_model import MISSING
+
+    engine, folders = tiny_api.engine, tiny_api.folders
+
+    def ask(**extra) -> httpx.Response:
+        body = {"model": folders.target, "messages": [{"role": "user", "content": "the cat sat on the mat"}],
+                "max_tokens": 24, "temperature": 0}  # fmt: skip
+        return tiny_api.client.post("/v1/chat/completions", json=body | extra)
+
+    plain = ask(mode="baseline").json()
+    assert plain["medusa"]["draft_model"] is None
+    assert assert_error(ask(drafter="draft"), 400, code="invalid_value") == MISSING
+    drafted = ask(draft_model=folders.draft, drafter="draft", tree="cpu-8")
+    assert drafted.status_code == 200, drafted.text
+    medusa = drafted.json()["medusa"]
+    assert medusa["draft_model"] == folders.draft and medusa["drafter"] == "draft"
+    assert drafted.json()["choices"][0]["message"] == plain["choices"][0]["message"]  # greedy: the plain reply
+    assert engine.draft_model == folders.draft
+    assert ask().json()["medusa"]["draft_model"] == folders.draft  # a request without the field keeps it
+    for bad, words in ((folders.other, "another vocabulary"), (folders.missing, "Unknown model")):
+        message = assert_error(ask(draft_model=bad), 400, "draft_model", "invalid_value")
+        assert words in message and "\n" not in message
+        assert engine.draft_model == folders.draft  # the one loaded before stays
+    unloaded = ask(draft_model=None, mode="baseline")  # null: no draft model
+    assert unloaded.status_code == 200 and unloaded.json()["medusa"]["draft_model"] is None
+    assert engine.draft_model is None
+    assert assert_error(ask(drafter="draft"), 400) == MISSING

@@ -114,3 +114,18 @@ def test_a_prompt_is_lengthened_to_the_context_asked_for(tmp_path):
         ids = _lengthened(backbone, "Name three rivers.", length, None, notes)
         assert abs(len(ids) - length) <= 3 and ids[-len(prompt) :] == prompt
     assert _lengthened(backbone, "Name three rivers.", 5, None, notes) == prompt  # longer already
+
+
+def test_acceptance_by_depth_counts_where_the_accepted_path_reached():
+    from types import SimpleNamespace
+
+    from app.bench import Run, acceptance, depth_counts
+
+    chain = SimpleNamespace(parents=(0, 0, 1, 2), path=(0, 1))  # a chain of 3: depth 1 accepted, depth 2 not
+    branches = SimpleNamespace(parents=(0, 0, 0, 1), path=(0, 2))  # node 2 (depth 1) accepted, it has no child
+    plain = SimpleNamespace(parents=(0,), path=(0,))
+    whole = SimpleNamespace(parents=(0, 0, 1), path=(0, 1, 2))  # both depths accepted, nothing deeper offered
+    counts = depth_counts([chain, branches, plain, whole])
+    assert counts == ((3, 3), (2, 1))
+    runs = [Run("draft", 0, 1, 1, 1.0, depths=counts), Run("draft", 1, 1, 1, 1.0, depths=((1, 0),))]
+    assert acceptance(runs) == (3 / 4, 1 / 2)

@@ -19,6 +19,7 @@ from core.decode import precision
 from core.decode.generate import Finished
 from core.decode.settings import DecodeSettings
 from core.decode.tree import AUTO
+from core.drafters.draft_model import DraftModel
 from core.drafters.eagle import EagleDraft, init_from_backbone
 from core.drafters.registry import DRAFTERS
 from models.heads import MedusaHeads
@@ -61,7 +62,8 @@ def engine_for(spec, past, device: str = "cuda", dtype: str = "bfloat16", quanti
     eagle = eagle.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype).eval()
     engine = Engine(spec.name)
     costs = SimpleNamespace(curve=lambda: None, needed=False)
-    engine.loaded = Loaded(backbone, heads, True, "cpu-8", costs, past, eagle)
+    draft = DraftModel(spec.name, backbone.backend, model.config.vocab_size)  # the model drafting for itself
+    engine.loaded = Loaded(backbone, heads, True, "cpu-8", costs, past, eagle, draft)
     return engine
 
 

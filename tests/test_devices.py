@@ -20,6 +20,7 @@ from core.decode.step import prefill, tree_mask, verify
 from core.decode.tree import AUTO, load_preset
 from core.drafters.base import Draft, NoDrafter
 from core.drafters.build import make_drafter
+from core.drafters.draft_model import DraftModel
 from core.drafters.eagle import EagleDraft, init_from_backbone
 from core.drafters.eagle_tree import eagle_drafter
 from core.drafters.registry import DRAFTERS
@@ -70,12 +71,22 @@ def off_device(draft: Draft, device: torch.device) -> list[str]:
     return [f"{name} on {t.device}" for name, t in tensors.items() if t.device != device]
 
 
+def draft_model(dtype: torch.dtype = torch.float32, virtual_gpu: bool = False) -> DraftModel:
+    """A second tiny model of the same vocabulary as a draft model (on the virtual GPU: `place`d)."""
+    model = tiny_model("llama", vocab=VOCAB, seed=1).to(dtype)
+    return DraftModel("tiny draft", TorchBackend(place(model) if virtual_gpu else model), VOCAB)
+
+
 def meta_drafters(model, heads, eagle) -> dict[str, object]:
     """Every drafter kind as the engine builds it (fixed trees moved to the model's device), and
-    the EAGLE drafter whose tree the costs choose: name → a function building it."""
+    the EAGLE drafter whose tree the costs choose: name → a function building it. The draft model
+    runs on the CPU (a draft on another device than the model's: its tree must still reach the model's)."""
     tree = load_preset("cpu-8").tree.to(model.device)
+    draft = draft_model()
     drafters = {
-        kind: lambda kind=kind: make_drafter(kind, heads, tree, corpus=corpus(), eagle=eagle, branches=2, length=4)
+        kind: lambda kind=kind: make_drafter(
+            kind, heads, tree, corpus=corpus(), eagle=eagle, branches=2, length=4, draft=draft
+        )
         for kind in DRAFTERS
     }
     return drafters | {"eagle (auto)": lambda: eagle_drafter(eagle, corpus=corpus()), "plain": NoDrafter}
@@ -141,7 +152,8 @@ def virtual_engine(model, heads, eagle, past: Corpus):
     engine = Engine("tiny")  # no replies added to the past ones: every test drafts from the same
     backbone = Backbone("tiny", model, ByteTokenizer(), ())
     costs = SimpleNamespace(curve=lambda: None, needed=False)  # the policy's prior curve
-    engine.loaded = Loaded(backbone, heads, True, "cpu-8", costs, past, eagle)
+    draft = draft_model(model.dtype, virtual_gpu=True)
+    engine.loaded = Loaded(backbone, heads, True, "cpu-8", costs, past, eagle, draft)
     return engine
 
 

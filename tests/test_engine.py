@@ -1,5 +1,6 @@
 """The decode loop on tiny random models: exactness against plain decoding, cache, events."""
 
+import contextlib
 from itertools import product
 
 import pytest
@@ -11,7 +12,7 @@ from core.backends.torch import TorchBackend
 from core.decode.generate import Finished, StepEvent, collect, stream
 from core.decode.settings import DecodeSettings
 from core.decode.step import accept, commit, prefill, verify
-from core.decode.tree import build_tree, load_tree
+from core.decode.tree import AUTO, build_tree, load_tree
 from core.drafters.fixed import MedusaDrafter
 from models.heads import MedusaHeads
 from tests.helpers import (
@@ -203,3 +204,135 @@ def test_greedy_tree_decoding_on_cuda_equals_plain_greedy(arch):
     drafter = MedusaDrafter(random_heads(model).to("cuda"), tree)
     _, done = collect(stream(backend, PROMPT, DecodeSettings(max_new_tokens=40), drafter))
     assert list(done.token_ids) == reference
+
+
+# ---- the app's engine with a draft model (tiny model folders of one tokenizer, no downloads) ----
+
+
+def draft_folders(root):
+    """Tiny model folders: a target, a smaller draft model and another model of its tokenizer, one
+    of another vocabulary of the same size, and a path with no model."""
+    from types import SimpleNamespace
+
+    from tests.tiny_folder import CHARS, save_tiny_model
+
+    return SimpleNamespace(
+        target=save_tiny_model(root / "target").name,
+        draft=save_tiny_model(root / "draft", seed=1, shape=(32, 1)).name,
+        second=save_tiny_model(root / "second", seed=3).name,
+        other=save_tiny_model(root / "other", seed=2, chars=CHARS[::-1]).name,
+        missing=str(root / "missing"),
+    )
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    return draft_folders(tmp_path_factory.mktemp("draft-models"))
+
+
+@contextlib.contextmanager
+def tiny_engine(model: str, draft: str | None = None, **options):
+    """The chat's engine on a tiny folder in float32 (its step costs not measured), loaded; closed after."""
+    from types import SimpleNamespace
+
+    import app.engine
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(app.engine, "step_costs", lambda *_: SimpleNamespace(curve=lambda: None, needed=False))
+        engine = app.engine.Engine(model, dtype="float32", draft_model=draft, **options)
+        engine.start().result()
+        assert engine.error is None, engine.error
+        try:
+            yield engine
+        finally:
+            engine.close()
+
+
+def reply(engine, mode: str = "medusa", drafter: str = "", tree: str = "auto"):
+    from app.engine import ReplyRequest
+
+    request = ReplyRequest([{"role": "user", "content": "the cat sat on the mat"}], DecodeSettings(max_new_tokens=40),
+                           mode=mode, tree=tree, drafter=drafter, seed=0)  # fmt: skip
+    *steps, done = engine.reply(request).events
+    return steps, done
+
+
+def one_sentence(message: str) -> bool:
+    return message.endswith(".") and "\n" not in message and "Traceback" not in message
+
+
+def test_an_engine_with_a_draft_model_replies_with_the_plain_greedy_tokens(folders):
+    with tiny_engine(folders.target, folders.draft) as engine:
+        assert engine.draft_model == folders.draft and f"· draft model {folders.draft}" in engine.status()
+        _, plain = reply(engine, "baseline")
+        for kind, tree in product(("draft", "hybrid"), ("auto", "cpu-8")):
+            _, done = reply(engine, "medusa", kind, tree)
+            assert done.token_ids == plain.token_ids, (kind, tree)
+        engine.set_draft_model("self")  # the target's own weights in 4 bits: most of its drafts are accepted
+        steps, done = reply(engine, "medusa", "draft", "cpu-8")
+        assert done.token_ids == plain.token_ids and done.prompt_reused > 0  # the kept conversation stood the swap
+        assert any("draft" in e.sources for e in steps)  # the draft model drafted
+        assert engine.draft_model == "self" and "· draft model self" in engine.status()
+
+
+@pytest.mark.parametrize(("draft", "options", "words"), [
+    ("other", {}, "another vocabulary"),
+    ("missing", {}, "Unknown model"),
+    ("self", {"quantization": "int4"}, "already runs in 4 bits"),
+])  # fmt: skip
+def test_a_draft_model_that_fails_at_launch_costs_only_the_draft_model(folders, capsys, draft, options, words):
+    from app.engine import DRAFT_OFF
+    from core.drafters.draft_model import MISSING
+    from core.errors import UserError
+
+    name = getattr(folders, draft, draft)
+    with tiny_engine(folders.target, name, **options) as engine:
+        said = [line for line in capsys.readouterr().err.splitlines() if DRAFT_OFF in line]
+        assert len(said) == 1 and words in said[0] and one_sentence(said[0].removesuffix(DRAFT_OFF).strip())
+        assert engine.loaded is not None and engine.draft_model is None and "draft model" not in engine.status()
+        _, done = reply(engine, "medusa", "hybrid")
+        assert done.token_ids
+        with pytest.raises(UserError) as refused:
+            reply(engine, "medusa", "draft")
+        assert str(refused.value) == MISSING
+
+
+def test_set_draft_model_swaps_unloads_and_keeps_the_previous_on_failure(folders):
+    from core.errors import UserError
+
+    with tiny_engine(folders.target) as engine:
+        assert engine.draft_model is None
+        _, hybrid = engine.drafter(AUTO, "hybrid")
+        engine.set_draft_model(f"  {folders.draft} ")
+        assert engine.draft_model == folders.draft
+        _, raced = engine.drafter(AUTO, "hybrid")  # the cached drafters were dropped: hybrid races it now
+        assert raced is not hybrid and raced.drafters["draft"].backend is engine.loaded.draft.backend
+        before = engine.loaded.draft
+        for bad, words in ((folders.missing, "Unknown model"), (folders.other, "another vocabulary")):
+            with pytest.raises(UserError, match=words) as refused:
+                engine.set_draft_model(bad)
+            assert one_sentence(str(refused.value))
+            assert engine.draft_model == folders.draft and engine.loaded.draft is before
+        engine.set_draft_model(folders.second)
+        _, drafter = engine.drafter("cpu-8", "draft")
+        assert engine.draft_model == folders.second and drafter.backend is engine.loaded.draft.backend
+        for none in ("none", None):
+            engine.set_draft_model(none)
+            assert engine.draft_model is None and "draft model" not in engine.status()
+    with tiny_engine(folders.target, quantization="int4") as engine:
+        with pytest.raises(UserError, match="already runs in 4 bits") as refused:
+            engine.set_draft_model("self")
+        assert one_sentence(str(refused.value)) and engine.draft_model is None
+
+
+def test_a_model_switch_drops_the_draft_model_unless_it_is_self(folders):
+    with tiny_engine(folders.target, folders.draft) as engine:
+        engine.load(folders.second)
+        assert engine.model_id == folders.second and engine.draft_model is None
+        engine.set_draft_model("self")
+        second_self = engine.loaded.draft
+        engine.load(folders.target)  # self is the new model's own weights, loaded again
+        assert engine.draft_model == "self" and engine.loaded.draft is not second_self
+        _, plain = reply(engine, "baseline")
+        steps, done = reply(engine, "medusa", "draft", "cpu-8")
+        assert done.token_ids == plain.token_ids and any("draft" in e.sources for e in steps)

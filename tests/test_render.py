@@ -6,9 +6,11 @@ import random
 import re
 from html.parser import HTMLParser
 from itertools import pairwise
+from pathlib import Path
 
-from app.panels import stats_html
-from app.render import reply_html, text_html
+from app.panels import stats_html, step_html
+from app.render import LEGEND, SOURCE_LABEL, reply_html, step_source, text_html
+from core.decode.generate import StepEvent
 
 LINKS = "See [a](http://example.com/x?y=1) and ![i](http://img.example/p.png) or <http://auto.example> `code`."
 DOC = (
@@ -142,3 +144,49 @@ def test_markdown_still_renders_as_before():
 
 def _strip_spans(h: str) -> str:
     return re.sub(r"</?span[^>]*>", "", h)
+
+
+def _event(step: int, text: str, sources: tuple[str, ...], node_sources: tuple[str, ...] = ()) -> StepEvent:
+    n = len(node_sources)
+    return StepEvent(
+        step=step, token_ids=tuple(range(len(sources) + 1)), text=text, accepted=len(sources),
+        path=tuple(range(len(sources) + 1)), draft=tuple(range(n)), tree_size=n, seconds=0.01,
+        tokens_per_second=100.0, sources=sources, parents=tuple(max(0, i - 1) for i in range(n)),
+        node_sources=node_sources,
+    )  # fmt: skip
+
+
+def test_tokens_from_the_draft_model_have_their_own_style_label_and_legend_entry():
+    # old: "draft" was not a known source, so a draft model's tokens were shown as the Medusa heads'
+    events = [
+        _event(1, "Plain <b>start</b> ", ()),
+        _event(2, "drafted <script>alert(1)</script> ", ("draft", "draft"), ("root", "draft", "draft", "context")),
+        _event(3, "heads", ("heads",), ("root", "heads")),
+    ]
+    out = reply_html([(e.text, e.accepted, step_source(e.sources)) for e in events])
+    assert step_source(("draft", "draft")) == "draft" and step_source(("draft", "both")) == "draft"
+    assert re.search(r'class="st c1 src-draft" data-step="2" data-accepted="2" data-source="draft" '
+                     r'title="step 2: 2 drafted tokens accepted, from the draft model"', out), out  # fmt: skip
+    assert "<script>" not in out and "&lt;script&gt;" in out and "&lt;b&gt;" in out
+    assert "src-draft" not in reply_html([(e.text, e.accepted, step_source(e.sources)) for e in events[::2]])
+    assert 'class="st c2 src-draft"' in LEGEND and "= drafted by the draft model" in LEGEND
+    inspector = step_html(events[1], ["root", "<a>", "x&y", "z"])
+    assert inspector.count("src-draft") == 2 and inspector.count("<small>draft</small>") == 2
+    assert "<small>ctx</small>" in inspector and "&lt;a&gt;" in inspector and "<a>" not in inspector
+    stats = stats_html({"tokens": 8, "sources": {"draft": 2, "heads": 1}}, [0, 2, 1], [])
+    assert "drafted: from the draft model</th><td>2 (25%)" in stats
+
+
+def _decorations(css: str) -> dict[str, str]:
+    """Each source's text-decoration in the reply, by source name."""
+    found = re.findall(r"\.medusa-reply\.spec-colors \.st\.src-(\w+),\s*\.medusa-legend[^{]*\{([^}]*)\}", css)
+    return {name: re.search(r"text-decoration:([^;]*);", rule).group(1).strip() for name, rule in found}
+
+
+def test_every_source_has_a_style_of_its_own():
+    decorations = _decorations((Path(__file__).parents[1] / "assets" / "ui.css").read_text(encoding="utf-8"))
+    assert set(decorations) == set(SOURCE_LABEL) and "draft" in decorations
+    line_styles = [
+        " ".join(w for w in d.split() if not w.startswith(("rgba", "0", "1", "2", "3"))) for d in decorations.values()
+    ]
+    assert len(set(line_styles)) == len(line_styles), decorations  # not told apart by color alone

@@ -4,17 +4,26 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from gradio_client import Client
 from playwright.sync_api import sync_playwright
+
+from app import ui
+from app.engine import Engine, Reply
+from core.decode.generate import Finished, StepEvent
+from core.errors import UserError
+from models import catalog
 
 pytestmark = pytest.mark.embedded
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -231,3 +240,129 @@ def test_real_browser_shows_step_markers_and_typical_controls(app, tmp_path):
         page.screenshot(path=str(shot), full_page=True)
         browser.close()
     assert shot.stat().st_size > 10_000
+
+
+# -- the draft model on the page: handlers called directly, around an engine that loads nothing --------------------
+
+SUGGESTED = "example/small-draft"
+
+
+class DraftEngine(Engine):
+    """An Engine that never loads a model; its draft model is a name, and set_draft_model records its calls."""
+
+    refusal = ""  # set: set_draft_model raises a UserError saying this
+
+    @property
+    def draft_model(self) -> str | None:
+        return self.__dict__.get("_test_draft")
+
+    @draft_model.setter
+    def draft_model(self, name: str | None) -> None:
+        self.__dict__["_test_draft"] = name
+
+    def set_draft_model(self, name: str | None, on_progress=None) -> None:
+        self.__dict__.setdefault("calls", []).append(name)
+        if self.refusal:
+            raise UserError(self.refusal)
+        self.draft_model = None if name in (None, "none") else name
+
+
+@pytest.fixture
+def page(home, monkeypatch):
+    """(the page, its handlers by name, the engine) with the catalog suggesting SUGGESTED as a draft model."""
+    monkeypatch.setattr(catalog, "draft_for", lambda model_id: SUGGESTED, raising=False)
+    engine = DraftEngine(catalog.entries()[0].id)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # gradio: the model is not among the dropdown's choices
+        demo = ui.build(engine)
+    return demo, {f.name: f for f in demo.fns.values()}, engine
+
+
+def _component(demo, elem_id: str):
+    return next(b for b in demo.blocks.values() if getattr(b, "elem_id", None) == elem_id)
+
+
+def test_the_draft_model_control_offers_none_self_and_the_catalogs_suggestion(page):
+    demo, fns, _ = page
+    control = _component(demo, "draft-model")
+    assert control.label == "Draft model" and control.allow_custom_value and control.value == "none"
+    values = [value for _, value in control.choices]
+    assert values == ["none", "self", SUGGESTED]
+    assert "self — this model in 4 bits (for full precision)" in [label for label, _ in control.choices]
+    drafter = _component(demo, "drafter")
+    assert ("Draft model + context + past replies", "draft") in drafter.choices  # from the registry's table
+    change = fns["set_draft_model"]  # queued with replies and model switches: one model job at a time
+    assert change.concurrency_id == fns["switch"].concurrency_id == "generate" and change.concurrency_limit == 1
+    assert [t[1] for t in change.targets] == ["input"]  # the user's change only: putting it back loads nothing
+    assert [o._id for o in change.outputs] == [
+        control._id,
+        _component(demo, "draft-info")._id,
+        _component(demo, "status")._id,
+    ]  # the chat, the message box and the settings are not among its outputs
+
+
+def test_choosing_a_draft_model_loads_it_through_the_engine(page):
+    _, fns, engine = page
+    control, note, status = fns["set_draft_model"].fn(f"  {SUGGESTED} ")
+    assert engine.calls == [SUGGESTED] and engine.draft_model == SUGGESTED
+    assert control["value"] == SUGGESTED and "Draft model loaded" in note and "small\\-draft" in note
+    assert status == engine.status()
+    control, note, _ = fns["set_draft_model"].fn("./my <b>folder</b>")  # typed: any id or folder
+    assert (
+        engine.calls[-1] == "./my <b>folder</b>" and ("./my <b>folder</b>", "./my <b>folder</b>") in control["choices"]
+    )
+    assert "<b>" not in note and "\\<b\\>" in note  # a typed name is shown as text, not markup
+    control, note, _ = fns["set_draft_model"].fn("none")
+    assert engine.calls[-1] is None and control["value"] == "none" and note == ""
+
+
+def test_a_refused_draft_model_says_why_and_puts_the_control_back(page):
+    _, fns, engine = page
+    fns["set_draft_model"].fn("self")
+    engine.refusal = "The draft model must share the model's tokenizer."
+    with pytest.warns(UserWarning, match="must share the model's tokenizer"):
+        control, note, _ = fns["set_draft_model"].fn("gpt2")
+    assert engine.calls == ["self", "gpt2"] and engine.draft_model == "self"
+    assert control["value"] == "self" and "must share the model" in note
+
+
+def test_the_line_under_the_control_suggests_a_draft_model_to_a_model_without_drafters(page):
+    _, fns, engine = page
+    assert fns["draft_state"].fn()[1] == ""  # still loading: nothing known yet
+    engine.loaded = SimpleNamespace(trained=False, eagle=None)
+    control, note = fns["draft_state"].fn()
+    assert "no trained Medusa heads or EAGLE layer" in note and "small\\-draft" in note
+    assert control["value"] == "none"
+    engine.loaded = SimpleNamespace(trained=True, eagle=None)
+    assert fns["draft_state"].fn()[1] == ""
+
+
+def test_a_reply_drafted_by_the_draft_model_shows_its_style_and_count(page, monkeypatch):
+    _, fns, engine = page
+    steps = [
+        StepEvent(1, (5,), "Hi ", 0, (0,), (), 0, 0.01, 100.0),
+        StepEvent(2, (6, 7, 8), "<i>there</i>", 2, (0, 1, 2), (8, 6, 7), 3, 0.01, 100.0,
+                  sources=("draft", "draft"), parents=(0, 0, 1), node_sources=("root", "draft", "draft")),
+        Finished((5, 6, 7, 8), "Hi <i>there</i>", 2, 0.02, 0.01, "eos"),
+    ]  # fmt: skip
+
+    def reply(request, should_stop=None):
+        return Reply([1, 2], "", 0, "auto", "draft", 3, iter(steps))
+
+    monkeypatch.setattr(engine, "reply", reply)
+    monkeypatch.setattr(engine, "token_text", lambda t: f"<{t}>")
+    *_, (chat, session, _msg, stats, *_rest) = fns["send"].fn("hello", None, *send_args("")[1:])
+    answer = chat[-1]["content"]
+    assert 'src-draft" data-step="2" data-accepted="2" data-source="draft"' in answer
+    assert "from the draft model" in answer and "&lt;i&gt;there&lt;/i&gt;" in answer and "<i>" not in answer
+    assert "drafted: from the draft model</th><td>2 (50%)" in stats
+    inspector = fns["inspect"].fn(2, session)
+    assert inspector.count("<small>draft</small>") == 2 and "&lt;8&gt;" in inspector
+
+
+def test_the_api_refuses_a_missing_draft_model_and_keeps_none(app, tmp_path):
+    client = app.client()
+    control, note, status = client.predict(str(tmp_path / "no-such-model"), api_name="/set_draft_model")
+    shown = re.sub(r"\\(.)", r"\1", note)  # the line is Markdown with its punctuation escaped
+    assert control["value"] == "none" and "no-such-model'" in shown, note  # the engine's sentence, under the control
+    assert "Ready:" in status and "draft model" not in status

@@ -43,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from app.bench import (
         TREE_MODES,
+        acceptance_lines,
         agreement,
         by_category,
         category_table,
@@ -97,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     summary = summarize(runs)
     per_category = by_category(runs, categories) if not lengths else {}  # by length instead
     print(table(summary, replies))
+    if depths := acceptance_lines(summary):
+        print(depths)
     exactness = precision.exactness(backbone.backend, settings)
     print(f"{agreement(summary, replies, precision_label(backbone.model))} ({exactness})", file=sys.stderr)
     if per_category:

@@ -160,7 +160,7 @@ def setup(args: argparse.Namespace, kinds: tuple[str, ...] | None, fixed: tuple[
     from core.decode.tree import AUTO, load_preset, preset_names
     from core.drafters.build import auto_drafter, make_drafter
     from core.drafters.draft_model import MISSING
-    from core.drafters.registry import needs
+    from core.drafters.registry import default_kind, needs
     from models.loader import load_backbone, resolve, resolve_eagle, resolve_heads, step_costs
 
     decode = settings(args)
@@ -169,13 +169,13 @@ def setup(args: argparse.Namespace, kinds: tuple[str, ...] | None, fixed: tuple[
     fixed_presets = {f: load_preset(f.partition("@")[2]) for f in fixed}
     spec = resolve(args.model)
     preset = chosen or load_preset(spec.tree if spec.tree in preset_names() else "cpu-16")
-    kinds = kinds if kinds is not None else (args.drafter or preset.drafter,)
+    draft_model = getattr(args, "draft_model", None)
+    kinds = kinds if kinds is not None else (args.drafter or default_kind(preset.drafter, bool(draft_model)),)
     own = needs(kinds, auto)  # the chosen kinds' needs, then with the fixed-tree ones'
     need = own | needs((f.partition("@")[0] for f in fixed), auto=False)
     heads_dir = (resolve_heads(args.heads) if args.heads else spec.heads_folder) if need.heads else None
     given = getattr(args, "eagle", None)
     eagle_path = (resolve_eagle(given) if given else spec.eagle) if need.eagle_if_any else None
-    draft_model = getattr(args, "draft_model", None)
     if need.draft and not draft_model:  # refused before anything loads
         raise UserError(MISSING)
     backbone = load_backbone(args.model, args.dtype, args.device, args.quantization, spec=spec)

@@ -58,7 +58,9 @@ def run(args: argparse.Namespace) -> int:
     port = args.port  # free a moment ago (`check`)
     key = api_key(args.host, port, args.api_key)  # checked, and announced beyond loopback, before the model loads
     past = None if args.no_past_replies else saved_replies
-    engine = Engine(args.model, args.dtype, args.device, args.quantization, args.heads, past, args.eagle)
+    engine = Engine(
+        args.model, args.dtype, args.device, args.quantization, args.heads, past, args.eagle, args.draft_model
+    )
     signal.signal(signal.SIGTERM, _interrupt)  # from here on SIGTERM stops the app as Ctrl-C does
     loading = engine.start()
     try:

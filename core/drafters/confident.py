@@ -155,7 +155,7 @@ class ConfidenceTree(Drafter):
         parents = [0] + [index[parent[n]] for n in keep]
         tree = from_parents(parents, [-1] * len(parents))
         device = root.device
-        ids = torch.tensor([int(root)] + [tokens[n] for n in keep], device=device)
+        ids = torch.cat([root.view(1), torch.tensor([tokens[n] for n in keep], device=device, dtype=root.dtype)])
         draft = Draft(ids, tree.on(device), (ROOT,) + (self.source,) * len(keep))
         return self._finish(draft, found, source, chance[keep].tolist(), curve)
 

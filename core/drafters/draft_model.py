@@ -80,6 +80,7 @@ class DraftModelDrafter(ConfidenceTree):
         self.ids, self._last = history, hidden[-1:]
         return True
 
+    @torch.inference_mode()
     def _log_probs(self, hidden: Tensor) -> Tensor:
         logits = self.backend.logits(hidden).full()[:, : self.vocab_size]
         return torch.log_softmax(logits.float(), dim=-1)

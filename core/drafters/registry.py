@@ -66,6 +66,12 @@ def kind(name: str) -> Kind:
     return KINDS[name]
 
 
+def default_kind(preset_kind: str, draft_model: bool) -> str:
+    """The kind that runs where none was chosen: the tree preset's, unless a draft model was given
+    and that kind never drafts with one (it was loaded to be used): then "draft"."""
+    return "draft" if draft_model and kind(preset_kind).draft == NO else preset_kind
+
+
 def help_text() -> str:
     """--drafter's help: each kind and what it drafts from."""
     return "; ".join(f"{k.name}: {k.summary}" for k in KINDS.values()) + " (default: the tree's)"
