@@ -106,7 +106,7 @@ def test_every_kind_builds_on_a_fixed_tree_and_under_the_policy():
         "eagle": EagleDrafter, "draft": DraftModelDrafter,
     }  # fmt: skip
     assert policy["draft"].fixed_budget is None and policy["draft"].corpus is corpus
-    assert list(policy["hybrid"].drafters) == ["heads", "eagle", "draft", "plain"]  # raced, plain the reference
+    assert list(policy["hybrid"].drafters) == ["draft", "heads", "eagle", "plain"]  # raced, the named draft first
     assert policy["hybrid"].reference == "plain" and type(policy["hybrid"].drafters["draft"]) is DraftModelDrafter
     only_draft = auto_drafter("hybrid", heads, lambda: None, preset, corpus=corpus, draft=draft)
     assert {k: type(d) for k, d in only_draft.drafters.items()} == {

@@ -85,11 +85,13 @@ def auto_drafter(
         "draft": draft if row.draft == registry.OPTIONAL else None,
     }
     if any(v is not None for v in optional.values()):
-        contenders: dict[str, Drafter] = {"heads": auto_drafter(kind, heads, curve, preset, trained, corpus)}
-        if optional["eagle"] is not None:
-            contenders["eagle"] = eagle_drafter(eagle, curve, corpus)
+        # a draft model the user named comes first (it runs until another is measurably faster)
+        contenders: dict[str, Drafter] = {}
         if optional["draft"] is not None:
             contenders["draft"] = draft_model_drafter(draft, curve, corpus)
+        contenders["heads"] = auto_drafter(kind, heads, curve, preset, trained, corpus)
+        if optional["eagle"] is not None:
+            contenders["eagle"] = eagle_drafter(eagle, curve, corpus)
         return Fastest(contenders | {"plain": NoDrafter()}, reference="plain")  # a tree runs once measurably faster
     use_heads = row.heads and heads is not None
     prior = None

@@ -71,6 +71,7 @@ class ConfidenceTree(Drafter):
         self.draft_ms = 1.0  # running drafting time of a step
         self.plain_ms: float | None = None  # running time of a plain step (prices trees until the curve is measured)
         self.draft_rate: float | None = None  # running tokens a millisecond of the steps that drafted
+        self.expand_ms: float | None = None  # running time of one draft forward (a depth of the tree)
         self._plain_streak = 0
         self._drafted = False  # the last step ran the draft
         self._verified = False  # a tree of its nodes has been verified (learning `calibration`)
@@ -134,7 +135,7 @@ class ConfidenceTree(Drafter):
             self._plain_streak += 1
             pays = (1 + self.lookup_value) / curve.at(1 + extra) > 1 / curve.at(1)
             return self._finish(plain, found if pays or self.fixed_budget else [], source, [], curve)
-        tokens, parent, scores = self._grow()
+        tokens, parent, scores = self._grow(self._min_chance(curve))
         self._drafted = True
         draft_ms = (now(root.device) - t0) * 1000
         self.draft_ms = 0.8 * self.draft_ms + 0.2 * draft_ms
@@ -189,8 +190,13 @@ class ConfidenceTree(Drafter):
         scale = (self.plain_ms or 10.0) / PRIOR_CURVE.at(1)
         return CostCurve({n: ms * scale for n, ms in PRIOR_CURVE.step_ms.items()}, PRIOR_CURVE.heads_ms * scale)
 
-    def _grow(self) -> tuple[list[int], list[int], list[float]]:
-        """Every drafted node: (token, parent node or −1 for the root, log-probability of its path).
+    def _min_chance(self, curve: CostCurve) -> float:
+        """How likely to be accepted a node must be to be expanded (one more draft forward)."""
+        return MIN_CHANCE
+
+    def _grow(self, min_chance: float = MIN_CHANCE) -> tuple[list[int], list[int], list[float]]:
+        """Every drafted node: (token, parent node or −1 for the root, log-probability of its path);
+        a node less likely than `min_chance` to be accepted is not expanded.
 
         A node is expanded only while a child of it could still be kept: a child scores no more
         than its parent and comes after every node already drafted, so once `limit` − 1 other
@@ -210,7 +216,7 @@ class ConfidenceTree(Drafter):
         ancestors: list[list[int]] = []  # per appended entry: the entry rows it sees (its own last)
         floor = -math.inf  # a fixed budget is filled; else a path this unlikely is never kept
         if self.fixed_budget is None:
-            floor = math.log(MIN_CHANCE / max(self.calibration, 1e-3))
+            floor = math.log(min_chance / max(self.calibration, 1e-3))
         hidden = torch.finfo(self.dtype).min
         for depth in range(1, self.depth):
             expand = [
@@ -233,7 +239,10 @@ class ConfidenceTree(Drafter):
             mask = torch.zeros(1, 1, len(expand), base + width, dtype=self.dtype, device=self.device)
             mask[0, 0, :, base:] = torch.tensor(tail, dtype=self.dtype)
             self._cut(base + rows)
+            t0 = now(self.device)
             logp, outs = self._expand([reads[n] for n in expand], [tokens[n] for n in expand], base + depth - 1, mask)
+            ms = (now(self.device) - t0) * 1000
+            self.expand_ms = ms if self.expand_ms is None else 0.8 * self.expand_ms + 0.2 * ms
             top = logp.topk(k)
             values, ids = top.values.tolist(), [self._token_ids(row) for row in top.indices]
             frontier = []

@@ -22,11 +22,14 @@ from torch import Tensor
 
 from core.backends.base import Backend
 from core.decode.tree import DRAFT
-from core.drafters.confident import DEPTH, ConfidenceTree
+from core.drafters.confident import ConfidenceTree
 from core.drafters.estimates import CostCurve
 from core.drafters.retrieval import Corpus
 from core.errors import UserError
 from core.sequences import common_prefix
+
+DEPTH = 8  # how far ahead it may draft (each depth one draft forward, taken only while it pays)
+LEAST_CHANCE = 0.05  # a node this unlikely is never expanded, however cheap a draft forward
 
 MISSING = (
     "No draft model is loaded; pass --draft-model with a model of the same tokenizer (a catalog id, a hub repo "
@@ -94,6 +97,14 @@ class DraftModelDrafter(ConfidenceTree):
         with torch.inference_mode():
             hidden, _ = self.backend.run(ids, positions, mask, self.cache)
         return self._log_probs(hidden), [None] * len(tokens)
+
+    def _min_chance(self, curve: CostCurve) -> float:
+        """A depth more is drafted while a node is likely enough to be accepted that the token it
+        may add is worth the draft forward it costs: its chance × what a token costs now (the
+        drafting steps' running milliseconds a token) above one draft forward's running time."""
+        if self.expand_ms is None or self.draft_rate is None:
+            return LEAST_CHANCE
+        return max(LEAST_CHANCE, self.expand_ms * self.draft_rate)
 
     def _length(self) -> int:
         return self.backend.length(self.cache)
