@@ -18,7 +18,7 @@ from app.engine import MODEL_TREE, Engine
 from app.panels import stats_html
 from app.render import LEGEND
 from app.ui_events import Handlers
-from app.ui_session import DRAFT_NONE, chat_choices, draft_choices, draft_note
+from app.ui_session import DRAFT_NONE, chat_choices, draft_choices, draft_note, on_disk_choices
 from core.decode.tree import AUTO, preset_names
 from models import catalog
 
@@ -165,7 +165,8 @@ def _panels(engine: Engine) -> SimpleNamespace:
 
 
 def _model_choices() -> list[tuple[str, str]]:
-    """The catalog's models, each with whether it is cached and its memory at 4-bit."""
+    """The catalog's models, each with whether it is cached and its memory at 4-bit, then the models
+    already on this machine."""
     from models.hub import cached_state
 
     out = []
@@ -176,7 +177,7 @@ def _model_choices() -> list[tuple[str, str]]:
             cached = cached_state(e.sources)
             state = "cached" if cached == "cached" else f"{e.download_gb:.1f} GB download"
         out.append((f"{e.name} · {state} · ~{e.memory_gb_4bit:.1f} GB at 4-bit", e.id))
-    return out
+    return out + on_disk_choices()  # then what Ollama, LM Studio and the hub cache hold
 
 
 # -- events ---------------------------------------------------------------------------------------

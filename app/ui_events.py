@@ -38,6 +38,7 @@ from app.ui_session import (
     draft_note,
     literal,
     messages,
+    on_disk_note,
     reply_stats,
     save_partial,
     tree_setting,
@@ -271,7 +272,7 @@ class Handlers:
     def describe(model_id: str) -> str:
         entry = catalog.find(model_id)
         if entry is None:
-            return ""
+            return on_disk_note(model_id) if model_id else ""
         size = "ships with the app" if entry.embedded else f"~{entry.download_gb:.1f} GB to download"
         return f"{entry.name}: {size}, about {entry.memory_gb_4bit:.1f} GB of memory at 4-bit. {entry.license}."
 

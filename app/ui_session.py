@@ -17,6 +17,7 @@ from app.render import reply_html, text_html
 from core.decode.generate import StepEvent
 from core.decode.tree import AUTO
 from core.drafters.registry import KINDS
+from models import on_disk
 
 
 @dataclass
@@ -68,6 +69,31 @@ def draft_choices(suggested: str | None, loaded: str | None) -> list[tuple[str, 
         if name and name not in (value for _, value in out):
             out.append((name if name != suggested else f"{name} (suggested for this model)", name))
     return out
+
+
+def on_disk_choices() -> list[tuple[str, str]]:
+    """The models already on this machine as the model picker's (label, value) choices: the label
+    name · size · quantization (or why it cannot be opened) · where it is; the value is what
+    --model takes (the file's path, or a hub snapshot's repo id), loaded like any other."""
+    out = []
+    for f in on_disk.find():
+        last = f"cannot open: {f.problem}" if f.problem else (f.quantization or "unknown quantization")
+        out.append((f"{f.name} · {on_disk.size_text(f.size)} · {last} · {f.source}", f.ref))
+    return out
+
+
+def on_disk_note(ref: str) -> str:
+    """The line under the model picker for a model on this machine ("" for any other), as Markdown
+    that shows its names as text."""
+    f = next((f for f in on_disk.find() if f.ref == ref), None)
+    if f is None:
+        return ""
+    if f.problem:
+        return f"{literal(f.name)} ({literal(f.source)}) cannot be opened: {literal(f.problem)}"
+    facts = [on_disk.size_text(f.size), f.quantization, f.architecture]
+    facts += [f"{on_disk.params_text(f.parameters)} parameters"] if f.parameters else []
+    where = f"opened in place from {f.path}" if f.ref != f.name else f"from the hub cache at {f.path}"
+    return f"{literal(f.name)} ({literal(f.source)}): {literal(', '.join(x for x in facts if x))}; {literal(where)}."
 
 
 def draft_note(loaded: str | None, suggested: str | None, own_drafter: bool | None) -> str:

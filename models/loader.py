@@ -23,7 +23,7 @@ from core.drafters.eagle import EagleDraft, load_draft
 from core.drafters.retrieval import Corpus, load_corpus
 from core.errors import UserError
 from core.measure import costs, kernels
-from models import catalog, hub
+from models import catalog, gguf_files, hub
 from models.choices import DTYPE_NAMES
 from models.cpu import transpose_linears
 from models.eagle_formats import EAGLE_FILES, load_published
@@ -95,12 +95,15 @@ def _template(name: str | None) -> str | None:
 
 
 def resolve(name: str, on_progress=None) -> ModelSpec:
-    """A catalog id, a local folder, or a hub repo id ("org/name") → local folders."""
+    """A catalog id, a GGUF file, a local folder, or a hub repo id ("org/name") → local folders."""
     if name == EMBEDDED_ID:
         folder = embedded_dir()
         entry = catalog.find(name)
         tree = entry.tree if entry else "cpu-16"
         return ModelSpec(name, folder, folder, shipped_heads_dir(name), None, tree, shipped_eagle(name))
+    if gguf_files.is_gguf(name):  # a GGUF file, converted once (keyed by its hash) into a folder
+        folder = gguf_files.folder_for(Path(name))
+        return ModelSpec(name, folder, folder, None, None, "cpu-16")
     if entry := catalog.find(name):
         label = entry.id
         folder = _fetch_source(entry.backbone, label, on_progress, weights=True)
@@ -117,7 +120,7 @@ def resolve(name: str, on_progress=None) -> ModelSpec:
     if local.exists() or not _is_repo_id(name):
         raise UserError(
             f"Unknown model '{name}'; use a catalog id (see `medusa-chat models`), a hub repo id such as "
-            "org/name, or a folder with config.json and weights."
+            "org/name, a .gguf file, or a folder with config.json and weights."
         )
     folder = hub.fetch(name, patterns=BACKBONE_FILES, on_progress=on_progress, weights=True)
     return ModelSpec(name, folder, folder, None, None, "cpu-16")
@@ -214,7 +217,7 @@ def load_backbone(
         config = AutoConfig.from_pretrained(spec.folder)
     except (OSError, ValueError) as e:
         raise UserError(f"The model in {spec.folder} has an unreadable config.json ({e}).") from e
-    quant = pick_quantization(quantization, dev, config, four_bit=spec.name == EMBEDDED_ID and dtype == "auto")
+    quant = pick_quantization(quantization, dev, config, dtype)
     if dtype != "auto":
         pick_dtype(dtype, dev)  # an unknown name is refused before anything loads
     choice = None

@@ -13,10 +13,10 @@ from core.errors import UserError
 from models.choices import QUANTIZATIONS
 
 
-def pick_quantization(name: str, device: torch.device, config: object, four_bit: bool = False) -> str:
-    """`auto`: nf4 on a GPU; on a CPU int4 for a model whose weights are 4-bit to begin with (the
-    embedded GGUF's Q4_1 blocks, which int4 keeps as they are) where the int4 kernel runs and no
-    dtype was asked for, else the model's own precision."""
+def pick_quantization(name: str, device: torch.device, config: object, dtype: str = "auto") -> str:
+    """`auto`: nf4 on a GPU; on a CPU the project's int4 for every model the lean forward serves
+    (hub, folder or GGUF) where the int4 kernel runs and no dtype was asked for (`dtype` "auto"),
+    else the model's own precision."""
     if name not in QUANTIZATIONS:
         raise UserError(f"Unknown quantization '{name}'; choose one of {', '.join(QUANTIZATIONS)}.")
     if getattr(config, "quantization_config", None):
@@ -24,7 +24,8 @@ def pick_quantization(name: str, device: torch.device, config: object, four_bit:
     if name == "auto":
         if device.type == "cuda":
             return "nf4"
-        return "int4" if four_bit and lean.servable(config) and lean.kernel_works("int4", torch.bfloat16) else "none"
+        four_bit = dtype == "auto" and lean.servable(config) and lean.kernel_works("int4", torch.bfloat16)
+        return "int4" if four_bit else "none"
     if name == "int4" and device.type != "cpu":
         raise UserError("--quantization int4 is for the CPU; on a GPU use nf4.")
     if name in ("nf4", "int8") and device.type == "cpu":

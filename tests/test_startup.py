@@ -111,7 +111,7 @@ def test_a_server_that_fails_to_start_while_the_model_loads_ends_without_an_abor
     monkeypatch.setattr(ui.logging, "shutdown", lambda: None)  # pytest's own log handlers stay open
     args = SimpleNamespace(
         host="127.0.0.1", port=8123, api_key=None, no_past_replies=False, model="m", dtype="auto", device="auto",
-        quantization="auto", heads=None, eagle=None, no_browser=True, no_window=False,
+        quantization="auto", heads=None, eagle=None, draft_model=None, no_browser=True, no_window=False,
     )  # fmt: skip
     with pytest.raises(SystemExit):
         ui.run(args)

@@ -27,7 +27,7 @@ def model_options(p: argparse.ArgumentParser, heads: bool = True) -> None:
     from models.choices import DTYPE_NAMES, QUANTIZATIONS
     from models.embedded import EMBEDDED_ID
 
-    p.add_argument("--model", default=EMBEDDED_ID, help="catalog id, hub repo id or model folder")
+    p.add_argument("--model", default=EMBEDDED_ID, help="catalog id, hub repo id, .gguf file or model folder")
     if heads:
         p.add_argument("--heads", help="Medusa heads: a folder or a hub repo id (default: the model's own)")
         p.add_argument(
@@ -43,7 +43,11 @@ def model_options(p: argparse.ArgumentParser, heads: bool = True) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", *DTYPE_NAMES), help="auto: measured on this machine")
     p.add_argument("--device", default="auto", type=device_name, help="auto, cpu, cuda or cuda:N")
     p.add_argument(
-        "--quantization", default="auto", choices=QUANTIZATIONS, help="auto: 4-bit nf4 on a GPU, none on a CPU"
+        "--quantization",
+        default="auto",
+        choices=QUANTIZATIONS,
+        help="auto: 4-bit nf4 on a GPU; on a CPU 4-bit int4 for Llama-family models unless a --dtype is given, "
+        "else none (full precision)",
     )
 
 

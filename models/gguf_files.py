@@ -1,0 +1,255 @@
+"""GGUF files as models: the file a user points `--model` at (LM Studio's, Ollama's, llama.cpp's),
+and the embedded model's, converted once into a transformers folder in the user cache.
+
+The conversion is transformers' GGUF loader (`from_pretrained(..., gguf_file=...)`), which
+dequantizes every tensor type the `gguf` package reads and builds the tokenizer and chat
+template from the file's metadata; the result is written as float32 safetensors (every GGUF
+type dequantizes exactly into float32), into a temporary folder moved into place, so a half-written
+conversion is never used. A user's file converts into `models/gguf-<key>`, the key the first 16
+hex digits of its SHA-256, computed once and remembered by path, size and modification time. A
+conversion whose `config.json` or `model.safetensors` cannot be read is done again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import platformdirs
+
+from core.errors import UserError
+
+GGUF_MAGIC = b"GGUF"
+INDEX = "gguf-index.json"  # {absolute path: {"size", "mtime_ns", "sha256"}}, in cache_dir()
+NOT_CAUSAL = {"general", "tokenizer", "t5", "t5encoder", "umt5"}  # transformers reads them, but no chat model
+
+
+def cache_dir() -> Path:
+    """The user cache folder: conversions, the hash index, kernel choices, step costs."""
+    return Path(platformdirs.user_cache_dir("medusa-chat"))
+
+
+def is_gguf(name: str) -> bool:
+    """Whether `--model NAME` names a GGUF file: a path ending .gguf (there or not, so a missing one
+    is refused as such), or an existing file that starts as a GGUF file does (Ollama's blobs)."""
+    if name.lower().endswith(".gguf"):
+        return True
+    path = Path(name).expanduser()
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:  # not there, a folder, unreadable
+        return False
+
+
+def folder_for(path: Path) -> Path:
+    """The transformers folder of the GGUF file at `path`, converted on first use."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise UserError(f"There is no GGUF file at {path}; check the path.")
+    target = cache_dir() / "models" / f"gguf-{file_key(path)}"
+    return convert(path, target, str(path))
+
+
+def file_key(path: Path) -> str:
+    """16 hex digits of the file's SHA-256, hashed once per path, size and modification time."""
+    stat = path.stat()
+    where = str(path.resolve())
+    index = _read_index()
+    known = index.get(where)
+    if known and known.get("size") == stat.st_size and known.get("mtime_ns") == stat.st_mtime_ns:
+        return str(known["sha256"])[:16]
+    digest = sha256_of(path)
+    index = {k: v for k, v in index.items() if Path(k).is_file()}  # forget files that are gone
+    index[where] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
+    _write_index(index)
+    return digest[:16]
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _read_index() -> dict:
+    try:
+        index = json.loads((cache_dir() / INDEX).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}  # none yet, or unreadable: files are hashed again
+    return index if isinstance(index, dict) else {}
+
+
+def _write_index(index: dict) -> None:
+    file = cache_dir() / INDEX
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_name(f".{INDEX}.{os.getpid()}")
+        tmp.write_text(json.dumps(index, indent=1), encoding="utf-8")
+        tmp.replace(file)
+    except OSError:
+        pass  # a cache that cannot be written costs a hash at the next launch, nothing else
+
+
+def is_converted(folder: Path) -> bool:
+    """Whether `folder` holds a whole conversion: a readable config.json and model.safetensors."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        with safe_open(folder / "model.safetensors", framework="pt") as weights:
+            weights.keys()  # the header is read whole, and checked against the file's length
+    except (OSError, ValueError, SafetensorError):
+        return False
+    return isinstance(config, dict) and (folder / "tokenizer_config.json").is_file()
+
+
+def convert(gguf: Path, target: Path, what: str) -> Path:
+    """`target`, converted from the GGUF file `gguf` unless a whole conversion is there already;
+    `what` names it in the one progress line."""
+    if is_converted(target):
+        return target
+    size = check(gguf)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(target.parent).free
+    except OSError as e:
+        raise UserError(f"The model cache {target.parent} cannot be written ({e.strerror or e}).") from e
+    if free < size * 1.05:
+        raise UserError(
+            f"Converting {gguf} needs about {_amount(size * 1.05)} free in {target.parent}, which has "
+            f"{_amount(free)}; free some space."
+        )
+    print(f"Converting {what} (once)…", file=sys.stderr, flush=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        with _no_progress_bar():  # the one line above says what is happening
+            _write_folder(gguf, tmp)
+        if target.exists():  # a damaged conversion: replaced by this one
+            shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)  # atomic: a half-written copy is never seen
+    except OSError as e:
+        if not is_converted(target):  # else another process converting the same file got there first
+            raise UserError(f"The conversion of {gguf} could not be written ({e.strerror or e}).") from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _amount(size: float) -> str:
+    return f"{size / 1e9:.1f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
+
+
+def check(gguf: Path) -> int:
+    """One UserError sentence unless `gguf` is a whole GGUF file of a chat architecture transformers
+    converts, with its tokenizer and tensor types the `gguf` package reads; else the bytes its
+    float32 conversion takes."""
+    import gguf as gguf_package
+
+    try:
+        reader = gguf_package.GGUFReader(gguf)
+        fields = reader.fields
+        architecture = str(fields["general.architecture"].contents()) if "general.architecture" in fields else None
+        tensors = list(reader.tensors)
+    except (ValueError, OSError, IndexError, KeyError, TypeError) as e:
+        raise UserError(f"{gguf} is damaged or truncated: it does not read as a GGUF file ({e}).") from e
+    supported = supported_architectures()
+    if architecture not in supported and _renamed(architecture) not in supported:
+        raise UserError(
+            f"{gguf} is a model of the {architecture or 'unstated'} architecture, which transformers cannot load "
+            f"from GGUF; it loads these families: {', '.join(sorted(supported))}."
+        )
+    if "tokenizer.ggml.model" not in fields or "tokenizer.ggml.tokens" not in fields:
+        raise UserError(
+            f"{gguf} has no tokenizer (no tokenizer.ggml.* metadata); use a GGUF file that carries its "
+            "tokenizer, as llama.cpp's converter writes it."
+        )
+    _check_types(gguf, tensors)
+    return 4 * sum(int(tensor.n_elements) for tensor in tensors)
+
+
+def supported_architectures() -> set[str]:
+    """The GGUF architectures transformers builds a causal language model from."""
+    from transformers.integrations.gguf import GGUF_ARCHS
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    return (set(GGUF_SUPPORTED_ARCHITECTURES) | set(GGUF_ARCHS)) - NOT_CAUSAL
+
+
+def _renamed(architecture: str | None) -> str | None:
+    """A file's architecture as transformers' loader spells it (qwen2moe is its qwen2_moe)."""
+    names = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
+    return names.get(architecture or "", architecture)
+
+
+def _check_types(gguf: Path, tensors: list) -> None:
+    """A UserError naming a tensor type the `gguf` package cannot dequantize: a block of each
+    type in the file is dequantized to find out."""
+    from gguf.quants import dequantize
+
+    first = {}
+    for tensor in tensors:
+        first.setdefault(tensor.tensor_type, tensor)
+    for kind, tensor in first.items():
+        try:
+            dequantize(tensor.data[:1], kind)
+        except NotImplementedError as e:
+            raise UserError(
+                f"{gguf} holds {kind.name} tensors, which cannot be converted yet; use a file in Q4_0, Q4_1, "
+                "Q4_K, Q5_K, Q6_K, Q8_0, F16 or BF16."
+            ) from e
+        except (ValueError, IndexError) as e:
+            raise UserError(f"{gguf} is damaged or truncated: its {tensor.name} does not read ({e}).") from e
+
+
+def _write_folder(gguf: Path, folder: Path) -> None:
+    """The model and tokenizer of `gguf`, in float32, saved as a transformers folder in `folder`."""
+    import torch  # here, not above: the command line reads this module before anything heavy loads
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except (ValueError, KeyError, IndexError, TypeError, RuntimeError, NotImplementedError) as e:
+        raise UserError(
+            f"{gguf} could not be converted ({type(e).__name__}: {e}); the file may be damaged or truncated."
+        ) from e
+    # A GGUF-loaded model refuses save_pretrained; rebuild it from a plain config.
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(type(model.config).from_dict(config), dtype=torch.float32)
+    plain.load_state_dict(model.state_dict(), assign=True)
+    plain.tie_weights()
+    del model
+    plain.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+@contextlib.contextmanager
+def _no_progress_bar():
+    """transformers without its progress bars on stderr while it converts: its own (loading,
+    writing) and the tqdm bar its GGUF reader draws for the tensors, which its switch misses."""
+    import transformers.modeling_gguf_pytorch_utils as reader
+    from transformers.utils import logging as hf_logging
+
+    bar, shown = getattr(reader, "tqdm", None), hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    if bar is not None:
+        reader.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        if bar is not None:
+            reader.tqdm = bar
+        if shown:
+            hf_logging.enable_progress_bar()
