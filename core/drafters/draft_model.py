@@ -43,19 +43,9 @@ class DraftModelDrafter(ConfidenceTree):
 
     name = "draft model"
 
-    def __init__(
-        self,
-        backend: Backend,
-        vocab_size: int,
-        curve: Callable[[], CostCurve | None] = lambda: None,
-        lookup: bool = True,
-        corpus: Corpus | None = None,
-        budget: int | None = None,
-        branches: int = 2,
-        length: int = 4,
-        depth: int = DEPTH,
-    ) -> None:
-        super().__init__(DRAFT, curve, lookup, corpus, budget, branches, length, depth)
+    def __init__(self, backend: Backend, vocab_size: int, *args, depth: int = DEPTH, **options) -> None:
+        """`args`, `options`: `ConfidenceTree`'s (curve, lookup, corpus, budget, branches, length)."""
+        super().__init__(DRAFT, *args, depth=depth, **options)
         self.backend = backend
         self.vocab_size = vocab_size
         self.cache = backend.new_cache()

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from core.decode.tree import EAGLE
-from core.drafters.confident import DEPTH, ConfidenceTree
+from core.drafters.confident import ConfidenceTree
 from core.drafters.confident import closed as _closed  # noqa: F401 (the tests read it here)
 from core.drafters.eagle import EagleDraft
 from core.drafters.eagle3 import Eagle3Draft, LeanEagle3
@@ -36,19 +36,9 @@ class EagleDrafter(ConfidenceTree):
     reads_features = True  # its own cache holds the draft layer's entries of every committed position
     name = "EAGLE"
 
-    def __init__(
-        self,
-        draft: EagleDraft,
-        dtype: torch.dtype,
-        curve: Callable[[], CostCurve | None] = lambda: None,
-        lookup: bool = True,
-        corpus: Corpus | None = None,
-        budget: int | None = None,
-        branches: int = 2,
-        length: int = 4,
-        depth: int = DEPTH,
-    ) -> None:
-        super().__init__(EAGLE, curve, lookup, corpus, budget, branches, length, depth)
+    def __init__(self, draft: EagleDraft, dtype: torch.dtype, *args, **options) -> None:
+        """`args`, `options`: `ConfidenceTree`'s (curve, lookup, corpus, budget, branches, length, depth)."""
+        super().__init__(EAGLE, *args, **options)
         self.lean = LeanEagle3(draft, dtype) if isinstance(draft, Eagle3Draft) else LeanDraft(draft, dtype)
         self.cache = self.lean.new_cache()
         self._pending: list[tuple[Tensor, Tensor]] = []  # fed rows not yet run through the draft
