@@ -28,10 +28,11 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from app.engine import Engine, NotReady, Reply, draft_name, figures
+from app.engine import Engine, NotReady, Reply, figures
 from app.openai_request import ApiError, Call, parse
 from core.decode.generate import Finished, StepEvent, collect
 from core.errors import ContextExceeded, UserError
+from models.draft_model import draft_name
 
 log = logging.getLogger("medusa-chat")
 

@@ -46,14 +46,13 @@ from core.drafters.eagle import EagleDraft
 from core.drafters.retrieval import Corpus
 from core.errors import UserError
 from core.measure.costs import StepCosts
-from models.draft_model import SELF, load_draft_model
+from models.draft_model import FOUR_BIT, SELF, draft_name, load_draft_model
 from models.loader import Backbone, load_backbone, resolve, resolve_eagle, resolve_heads, step_costs
 
 LEARN_BATCH = 100  # saved replies tokenized per compute job
 log = logging.getLogger("medusa-chat")
 
 MODEL_TREE = "(model default)"  # the tree name that means the loaded model's calibrated preset
-NO_DRAFT = ("", "none")  # draft model names (any case) that mean none, as None does
 DRAFT_OFF = "The chat runs without a draft model."  # after a draft model's failure at launch or a model switch
 
 
@@ -130,7 +129,8 @@ class Engine:
             log.exception("loading %s failed", self.model_id)
             self.error = f"Loading {self.model_id} failed ({type(e).__name__}: {e}); see the log."
 
-    def load(self, model: str, on_progress: Callable | None = None) -> None:
+    def load(self, model: str, on_progress: Callable | None = None, draft_model: str | None = None) -> None:
+        """Load `model` (with `draft_model`, else the draft model `_draft_after` keeps)."""
         spec = resolve(model, on_progress)  # downloads here, in the caller's thread
         own = model == self.model_id  # --heads and --eagle belong to the model the app started with
         heads_dir = resolve_heads(self.heads_arg, on_progress) if own and self.heads_arg else spec.heads_folder
@@ -141,7 +141,9 @@ class Engine:
             except UserError as e:  # a bad --eagle costs the EAGLE drafter, not the model
                 print(f"{e} The EAGLE drafter is off.", file=sys.stderr)
                 eagle_path = None
-        draft = self._draft_after(model, own)  # --draft-model downloads in `build`, at launch on the compute thread
+        draft = draft_model or self._draft_after(
+            model, own
+        )  # a draft model downloads in `build`, on the compute thread
 
         def build() -> Loaded:
             self.kept.clear()  # the old model's cache: no use to another, and its memory is wanted now
@@ -179,10 +181,14 @@ class Engine:
         It downloads in the caller's thread and loads on the compute thread, after the replies
         queued. One sentence (UserError) if it does not load or does not fit the loaded model
         (another vocabulary, self on a model in 4 bits), or no model is loaded: the draft model
-        loaded before stays."""
+        loaded before stays. `self` where the model runs in 4 bits by default loads the model
+        again in full precision first."""
         name = draft_name(name)
-        self.require()
+        loaded = self.require()
         if name == self.draft_model:
+            return
+        if name == SELF and self.options["quantization"] == "auto" and loaded.backbone.backend.layer_kernel in FOUR_BIT:
+            self._reload_for_self(on_progress)
             return
         if name is not None and name != SELF:
             resolve(name, on_progress)  # downloads here; an unknown name is refused before anything is queued
@@ -192,6 +198,21 @@ class Engine:
             self._install(replace(loaded, draft=self._load_draft(loaded.backbone, name) if name else None))
 
         self.compute.call(swap)
+
+    def _reload_for_self(self, on_progress: Callable | None) -> None:
+        """`self` asked for where the model runs in 4 bits by default: the model is loaded again in
+        full precision, its own 4-bit copy drafting for it (the full model's replies, faster)."""
+        before = self.options
+        self.options = {**before, "quantization": "none"}
+        try:
+            self.load(self.model_id, on_progress, draft_model=SELF)
+        except BaseException:
+            self.options = before  # the model loaded before stays, and so does how it loads
+            raise
+        if self.draft_model != SELF:
+            raise UserError(
+                f"{self.model_id} now runs in full precision, but its 4-bit copy did not load to draft for it."
+            )
 
     def _draft_after(self, model: str, own: bool) -> str | None:
         """The draft model to load with `model`: the one loaded now (before the first load, --draft-model) when
@@ -367,13 +388,6 @@ class Engine:
 
     def token_text(self, token_id: int) -> str:
         return self.require().backbone.tokenizer.decode([token_id])
-
-
-def draft_name(name: str | None) -> str | None:
-    """A draft model's name as the engine keeps it: stripped; None for none (None, "" or "none")."""
-    if name is None or name.strip().lower() in NO_DRAFT:
-        return None
-    return name.strip()
 
 
 def figures(done: Finished) -> dict:

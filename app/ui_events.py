@@ -25,7 +25,7 @@ import gradio as gr
 
 from app import store
 from app.controls import ACCEPTANCE, Controls
-from app.engine import Engine, draft_name, figures
+from app.engine import Engine, figures
 from app.panels import compare_html, stats_html, step_html
 from app.render import reply_html, step_source
 from app.ui_session import (
@@ -47,6 +47,7 @@ from core.decode.generate import Finished
 from core.decode.tree import DRAFT_SOURCES
 from core.errors import UserError
 from models import catalog
+from models.draft_model import draft_name
 
 log = logging.getLogger("medusa-chat")
 

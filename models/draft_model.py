@@ -9,6 +9,15 @@ from core.errors import UserError
 from models.loader import Backbone, load_backbone, resolve
 
 SELF = "self"  # the target's own weights in the project's 4-bit kernels
+FOUR_BIT = ("int4", "q4")  # the lean forward's 4-bit layer kernels: a target already in 4 bits
+NO_DRAFT = ("", "none")  # draft model names (any case) that mean none, as None does
+
+
+def draft_name(name: str | None) -> str | None:
+    """A draft model's name as given: stripped; None for none (None, "" or "none")."""
+    if name is None or name.strip().lower() in NO_DRAFT:
+        return None
+    return name.strip()
 
 
 def load_draft_model(target: Backbone, name: str, on_progress=None) -> DraftModel:
@@ -21,7 +30,7 @@ def load_draft_model(target: Backbone, name: str, on_progress=None) -> DraftMode
         raise UserError("The draft model's name is empty; give a catalog id, a folder, a .gguf file or self.")
     device = target.backend.device
     if name == SELF:
-        if target.backend.layer_kernel in ("int4", "q4") or _quantized(target):
+        if target.backend.layer_kernel in FOUR_BIT or _quantized(target):
             raise UserError(
                 f"--draft-model self drafts with {target.name}'s own weights in 4 bits for the model in full "
                 "precision, but it already runs in 4 bits; load it with --quantization none to get its "

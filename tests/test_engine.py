@@ -239,7 +239,7 @@ def tiny_engine(model: str, draft: str | None = None, **options):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(app.engine, "step_costs", lambda *_: SimpleNamespace(curve=lambda: None, needed=False))
-        engine = app.engine.Engine(model, dtype="float32", draft_model=draft, **options)
+        engine = app.engine.Engine(model, dtype=options.pop("dtype", "float32"), draft_model=draft, **options)
         engine.start().result()
         assert engine.error is None, engine.error
         try:
@@ -336,3 +336,16 @@ def test_a_model_switch_drops_the_draft_model_unless_it_is_self(folders):
         _, plain = reply(engine, "baseline")
         steps, done = reply(engine, "medusa", "draft", "cpu-8")
         assert done.token_ids == plain.token_ids and any("draft" in e.sources for e in steps)
+
+
+def test_self_asked_for_where_the_model_runs_in_4_bits_reloads_it_in_full_precision(folders):
+    """The chat offers self: where the model loaded in 4 bits by default, it loads again in full
+    precision with its own 4-bit copy drafting, and replies as the full-precision model does."""
+    with tiny_engine(folders.target, dtype="auto") as engine:
+        assert engine.loaded.backbone.backend.layer_kernel in ("int4", "q4")  # 4 bits by default on a CPU
+        engine.set_draft_model("self")
+        assert engine.draft_model == "self" and engine.options["quantization"] == "none"
+        assert engine.loaded.backbone.backend.layer_kernel not in ("int4", "q4")
+        steps, done = reply(engine, "medusa", "draft")
+        _, plain = reply(engine, "baseline")
+        assert done.token_ids == plain.token_ids and any("draft" in s.sources for s in steps[1:])
