@@ -62,6 +62,9 @@ def run(args: argparse.Namespace) -> int:
         args.model, args.dtype, args.device, args.quantization, args.heads, past, args.eagle, args.draft_model
     )
     signal.signal(signal.SIGTERM, _interrupt)  # from here on SIGTERM stops the app as Ctrl-C does
+    # and Ctrl-C does, as the app says, even where it was started with SIGINT ignored (a background
+    # job of a non-interactive shell), where Python leaves SIGINT ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     loading = engine.start()
     try:
         server = start(engine, args.host, port, key)
@@ -151,9 +154,4 @@ def _interrupt(signum: int, frame: object) -> None:
 def _wait_for_interrupt() -> None:
     """Block until Ctrl-C or SIGTERM, which end the app the same clean way."""
     signal.signal(signal.SIGTERM, _interrupt)  # again: the window, when it fails, may leave its own
-    # Ctrl-C raises KeyboardInterrupt here. In short waits: a signal the kernel delivers to another
-    # thread (torch's, the server's) only flags it for the main thread, which an endless wait
-    # would never look at (seen in CI: the app ignoring Ctrl-C once in a few hundred runs)
-    idle = threading.Event()
-    while not idle.wait(0.2):
-        pass
+    threading.Event().wait()  # Ctrl-C raises KeyboardInterrupt here
