@@ -16,12 +16,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx2  # the HTTP client huggingface_hub uses; its transport errors mean "no network"
 from huggingface_hub import constants, hf_hub_download, snapshot_download
 from huggingface_hub.errors import DryRunError, HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
 from tqdm.auto import tqdm
 
 from core.errors import UserError
+
+try:  # the HTTP client huggingface_hub uses: its transport errors mean "no network"
+    from httpx2 import TransportError
+except ImportError:  # huggingface_hub releases before httpx2 (1.0 to ~1.35) use httpx
+    from httpx import TransportError
 
 MARGIN = 256 * 2**20  # keep this much disk free beyond the download
 
@@ -87,7 +91,7 @@ def plan(
         if isinstance(e.__cause__, HfHubHTTPError):
             raise _refused(repo_id, e.__cause__) from e
         raise _NoNetwork() from e
-    except (httpx2.TransportError, OfflineModeIsEnabled, LocalEntryNotFoundError) as e:
+    except (TransportError, OfflineModeIsEnabled, LocalEntryNotFoundError) as e:
         raise _NoNetwork() from e
     except HfHubHTTPError as e:
         raise _refused(repo_id, e) from e
@@ -136,7 +140,7 @@ def fetch(
             hf_hub_download(
                 repo_id, file, revision=todo.revision, cache_dir=cache_dir, endpoint=endpoint, tqdm_class=bar
             )
-        except (httpx2.TransportError, OfflineModeIsEnabled) as e:
+        except (TransportError, OfflineModeIsEnabled) as e:
             raise UserError(
                 f"The download of {label} stopped ({type(e).__name__}); run the same command again to resume it."
             ) from e
