@@ -103,11 +103,6 @@ class DraftModelDrafter(ConfidenceTree):
         if size < self._length():
             self.backend.truncate(self.cache, size)
 
-    def rewind(self, prompt_ids: Sequence[int], reused: int) -> int:
-        """A new reply: the draft's cache is cut back lazily, at the first step, to what it shares
-        with the prompt; it keeps nothing of the target's, so the target's kept cache stands."""
-        return reused
-
 
 @dataclass(frozen=True)
 class DraftModel:
