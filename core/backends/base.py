@@ -13,12 +13,20 @@ which cache or which logits they hold.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Protocol
 
 import torch
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 Taps = tuple[int, ...]  # hidden-state indices, ascending: the residual stream after that many layers
+# The attention kernels a step may run with (`core.measure.attention` measures which is faster on a
+# GPU): PyTorch's own choice, or every kernel but cuDNN's (which builds a plan per new shape).
+ATTENTION: dict[str, tuple[SDPBackend, ...] | None] = {
+    "default": None,
+    "no-cudnn": (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH),
+}
 
 
 class Cache(Protocol):
@@ -49,6 +57,11 @@ class Backend(Protocol):
 
     model: nn.Module  # the transformers model: its config, embeddings and the lm_head weight Medusa heads read
     row_head: bool  # a tree's logits are computed a node at a time (the lm_head's cost grows with every row)
+    attention: str  # a key of ATTENTION: the attention kernels its steps and drafting run with
+
+    def kernels(self) -> AbstractContextManager:
+        """Where a step (its drafting, verify and commit) runs: under the `attention` kernels."""
+        ...
 
     @property
     def device(self) -> torch.device: ...
@@ -106,9 +119,15 @@ class Backend(Protocol):
 
 
 class OnModel:
-    """What a backend reads off its transformers model: the device and dtype it computes in."""
+    """What a backend reads off its transformers model: the device and dtype it computes in, and
+    the attention kernels chosen for it."""
 
     model: nn.Module
+    attention = "default"
+
+    def kernels(self) -> AbstractContextManager:
+        allowed = ATTENTION[self.attention]
+        return nullcontext() if allowed is None else sdpa_kernel(list(allowed))
 
     @property
     def device(self) -> torch.device:

@@ -116,18 +116,19 @@ def stream(
             t0 = now(device)
             step += 1
             prefix_len = backend.length(cache)
-            draft = drafter.propose(hidden, root, history)
-            choice = drafter.last_choice
-            if prefix_len + draft.tree.max_depth >= context:  # the tree would need positions the model lacks
-                draft = plain.propose(hidden, root)
-            drafting = now(device) - t0
-            fwd = verify(backend, cache, draft, taps)
-            result = accept(fwd, draft, settings, generator)
-            commit(backend, cache, prefix_len, result)
-            hidden, root = fwd.hidden[result.path[-1]], result.next_token
-            emitted = torch.cat([draft.tokens[result.path[1:]], root.view(1)])
-            if drafter.reads_features:
-                drafter.feed(fwd.backbone_features(result.path), emitted, prefix_len)
+            with backend.kernels():  # the attention kernels measured fastest here (a GPU's choice)
+                draft = drafter.propose(hidden, root, history)
+                choice = drafter.last_choice
+                if prefix_len + draft.tree.max_depth >= context:  # the tree would need positions the model lacks
+                    draft = plain.propose(hidden, root)
+                drafting = now(device) - t0
+                fwd = verify(backend, cache, draft, taps)
+                result = accept(fwd, draft, settings, generator)
+                commit(backend, cache, prefix_len, result)
+                hidden, root = fwd.hidden[result.path[-1]], result.next_token
+                emitted = torch.cat([draft.tokens[result.path[1:]], root.view(1)])
+                if drafter.reads_features:
+                    drafter.feed(fwd.backbone_features(result.path), emitted, prefix_len)
             tokens = emitted.tolist()
             cached += [history[-1], *tokens[:-1]]  # the root, the accepted drafts (the new root is not in yet)
             drafter.observe(draft, tokens, now(device) - t0)  # adaptive drafters learn from each step

@@ -24,11 +24,12 @@ from pathlib import Path
 import torch
 
 from core.backends import q4
-from core.backends.base import Backend
+from core.backends.base import ATTENTION, Backend
 from core.decode.settings import DecodeSettings
 from core.decode.step import accept, commit, prefill, verify
 from core.drafters.base import Draft, NoDrafter
 from core.drafters.policy import RANKS, CostCurve
+from core.measure import attention
 from core.measure.clock import synchronizer, time_ms
 from core.measure.profile import machine, shaped_tree
 
@@ -76,7 +77,7 @@ def measure(backend: Backend, heads, repeats: int = 3, budget_s: float = BUDGET_
         draft = Draft(torch.tensor(context[:n], device=device), shaped_tree(n).to(device))
         if n == 1:
             draft = NoDrafter(device).propose(hidden, root)
-        with torch.inference_mode():
+        with torch.inference_mode(), backend.kernels():
             steps[n] = time_ms(lambda d=draft: _step(backend, cache, past, d, settings), repeats, sync, fastest=True)
         spent += time.perf_counter() - t0
         yield None
@@ -121,11 +122,20 @@ class CurveStore:
             return None
         return CostCurve(steps, heads_ms)
 
-    def save(self, key: str, curve: CostCurve) -> None:
+    def attention(self, key: str) -> str | None:
+        """The attention kernels the stored curve was measured with (None: not stored)."""
+        try:
+            chosen = json.loads(self.path(key).read_text(encoding="utf-8")).get("attention")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return chosen if chosen in ATTENTION else None
+
+    def save(self, key: str, curve: CostCurve, attention: str = "default") -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.path(key)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         data = {"format": FORMAT, "key": key, "step_ms": curve.step_ms, "heads_ms": curve.heads_ms}
+        data["attention"] = attention
         tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
         os.replace(tmp, path)
 
@@ -143,6 +153,11 @@ class StepCosts:
     ) -> None:
         self.backend, self.heads, self.store, self.key, self.say = backend, heads, store, key, say
         self._curve = store.load(key, say)
+        if self._curve is not None:  # steps run with the attention kernels the curve was measured with
+            chosen = store.attention(key)
+            if chosen is None and backend.device.type == "cuda":
+                self._curve = None  # measured before a GPU's kernels were chosen: measured again
+            backend.attention = chosen or "default"
         self.seconds: float | None = None  # how long measuring took (None: loaded from the store)
 
     def curve(self) -> CostCurve | None:
@@ -158,10 +173,14 @@ class StepCosts:
         t0 = time.perf_counter()
         curve = None
         try:
+            self.backend.attention = attention.choose(self.backend)
+            if self.backend.attention != "default":
+                self.say(f"attention kernels: {self.backend.attention} (measured faster here)")
+            yield None
             for curve in measure(self.backend, self.heads):
                 if curve is None:
                     yield None
-            self.store.save(self.key, curve)
+            self.store.save(self.key, curve, self.backend.attention)
         except (RuntimeError, OSError, ValueError) as e:  # the policy keeps its prior curve
             self.say(f"Measuring the step cost failed ({type(e).__name__}: {e}); speculation stays cautious.")
             return
