@@ -176,7 +176,8 @@ def _model_choices() -> list[tuple[str, str]]:
         else:
             cached = cached_state(e.sources)
             state = "cached" if cached == "cached" else f"{e.download_gb:.1f} GB download"
-        out.append((f"{e.name} · {state} · ~{e.memory_gb_4bit:.1f} GB at 4-bit", e.id))
+        gated = " · gated" if e.gated else ""
+        out.append((f"{e.name} · {e.target.upper()} · {state} · ~{e.memory_gb_4bit:.1f} GB at 4-bit{gated}", e.id))
     return out + on_disk_choices()  # then what Ollama, LM Studio and the hub cache hold
 
 

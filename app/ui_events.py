@@ -275,7 +275,12 @@ class Handlers:
         if entry is None:
             return on_disk_note(model_id) if model_id else ""
         size = "ships with the app" if entry.embedded else f"~{entry.download_gb:.1f} GB to download"
-        return f"{entry.name}: {size}, about {entry.memory_gb_4bit:.1f} GB of memory at 4-bit. {entry.license}."
+        gated = "; gated: accept its terms on the hub and log in" if entry.gated else ""
+        text = (
+            f"{entry.name} ({entry.quantization}, for a {entry.target.upper()}): {size}, about "
+            f"{entry.memory_gb_4bit:.1f} GB of memory at 4-bit. {entry.license}{gated}. Drafters: {entry.drafter}."
+        )
+        return literal(text)
 
     # Download (with progress) and load another model; the status line after.
     def switch(self, model_id: str, progress=gr.Progress()) -> str:  # noqa: B008 (how gradio injects progress)

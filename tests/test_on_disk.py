@@ -111,7 +111,7 @@ def planted(tmp_path, monkeypatch) -> SimpleNamespace:
     hub_file(hub, "org/tiny-st", "model.safetensors", lambda f: save_file(weights, str(f)))
     config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16"}
     hub_file(hub, "org/tiny-st", "config.json", lambda f: f.write_text(json.dumps(config)))
-    catalog_repo = next(e.backbone.repo for e in catalog.entries() if e.backbone)  # the catalog lists it already
+    catalog_repo = next(e.sources[0].repo for e in catalog.entries() if e.sources)  # the catalog lists it already
     hub_file(hub, catalog_repo, "model.safetensors", lambda f: save_file(weights, str(f)))
     hub_file(hub, catalog_repo, "config.json", lambda f: f.write_text(json.dumps(config)))
     return p

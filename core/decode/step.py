@@ -95,5 +95,8 @@ def first_token(forward: Forward, settings: DecodeSettings, generator: torch.Gen
 
 
 def commit(backend: Backend, cache: Cache, prefix_len: int, result: Acceptance) -> None:
-    """Keep only the accepted path's entries after the prefix."""
+    """Keep only the accepted path's entries after the prefix (a plain step's one entry stays as
+    it is: on a GPU, moving it would cost a few kernel launches a layer for nothing)."""
+    if result.path.numel() == 1 and backend.length(cache) == prefix_len + 1:
+        return
     backend.keep_path(cache, prefix_len, result.path)
