@@ -187,7 +187,10 @@ def setup(args: argparse.Namespace, kinds: tuple[str, ...] | None, fixed: tuple[
     parts = load_parts(backbone, need, heads_dir, eagle_path, num_heads=depth, draft_model=draft_model)
     if need.heads and not parts.trained:
         print(
-            "warning: no trained Medusa heads for this model, so drafts are rarely accepted; pass --heads FOLDER.",
+            "note: no trained Medusa heads for this model: the speculation policy drafts with the lookups "
+            "(pass --heads FOLDER or --draft-model MODEL to draft more)."
+            if auto
+            else "warning: no trained Medusa heads for this model, so drafts are rarely accepted; pass --heads FOLDER.",
             file=sys.stderr,
         )
     device = backbone.model.device
