@@ -34,8 +34,8 @@ from torch import Tensor
 from core.backends.quantize import GROUP, reference
 
 NATIVE = Path(__file__).parent / "native"
-SOURCES = (NATIVE / "q4gemm.c", NATIVE / "step.c")  # compiled together, with common.h
-VERSION = 4  # q4_version() of the source above
+SOURCES = (NATIVE / "q4gemm.c", NATIVE / "step.c", NATIVE / "decode.c")  # compiled together, with common.h
+VERSION = 5  # q4_version() of the source above
 TILE = 16  # outputs per tile (inputs per scale: `quantize.GROUP`)
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
 ISAS = {"avx512-vnni": 2, "avx2": 1}  # the kernel variants, as q4_gemm numbers them
@@ -158,9 +158,9 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.q4_attention.argtypes = [ctypes.c_int, ctypes.c_int, i64, i64, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr]
     lib.q4_attention.argtypes += [ctypes.c_float, ptr]
     lib.q4_attention.restype = ctypes.c_int
-    lib.q4_rmsnorm.argtypes = [ctypes.c_int, i64, i64, ptr, i64, ptr, ctypes.c_float, ptr]
+    lib.q4_rmsnorm.argtypes = [ctypes.c_int, i64, i64, ptr, i64, ptr, ctypes.c_int, ctypes.c_float, ptr]
     lib.q4_rmsnorm.restype = None
-    lib.q4_decode.argtypes = [ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64]
+    lib.q4_decode.argtypes = [ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64]
     lib.q4_decode.restype = ctypes.c_int
     return lib
 
@@ -289,10 +289,15 @@ class Ops:
         self.lib, self.variant = lib, ISAS[isa()]
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        """(rows, n) bf16 with contiguous rows → the same shape, normalized."""
+        """(rows, n) bf16 with contiguous rows → the same shape, normalized. A bf16 `weight`:
+        Llama's norm (normalized, rounded, times the weight); a float32 one: Gemma's (times the
+        weight, 1 + its stored one, in float32, rounded once)."""
         rows, n = x.shape
         y = torch.empty(rows, n, dtype=torch.bfloat16)
-        self.lib.q4_rmsnorm(self.variant, rows, n, x.data_ptr(), x.stride(0), weight.data_ptr(), eps, y.data_ptr())
+        wide = int(weight.dtype == torch.float32)
+        self.lib.q4_rmsnorm(
+            self.variant, rows, n, x.data_ptr(), x.stride(0), weight.data_ptr(), wide, eps, y.data_ptr()
+        )
         return y
 
     @classmethod
@@ -306,23 +311,26 @@ class Ops:
         """Whether the attention kernel takes heads of this size."""
         return head_dim % HEAD_STEP == 0 and head_dim <= MAX_HEAD
 
-    def attention(self, q: Tensor, keys: Tensor, values: Tensor, length: int, mask: Tensor | None) -> Tensor:
+    def attention(
+        self, q: Tensor, keys: Tensor, values: Tensor, length: int, mask: Tensor | None, scale: float | None = None
+    ) -> Tensor:
         """q (t, heads, d) with contiguous heads, keys and values (kv heads, capacity, d), of which
         the first `length` are used; mask (t, length) bf16, 0 where a key is seen, or None (all
-        seen) → (t, heads · d)."""
+        seen) → (t, heads · d). `scale`: the scores' (default d^-0.5)."""
         t, heads, d = q.shape
         kv, capacity = keys.shape[0], keys.shape[1]
         out = torch.empty(t, heads * d, dtype=torch.bfloat16)
         code = self.lib.q4_attention(
             self.variant, torch.get_num_threads(), t, heads, kv, d, length, q.data_ptr(), q.stride(0),
-            keys.data_ptr(), values.data_ptr(), capacity, None if mask is None else mask.data_ptr(), d**-0.5,
+            keys.data_ptr(), values.data_ptr(), capacity, None if mask is None else mask.data_ptr(),
+            d**-0.5 if scale is None else scale,
             out.data_ptr(),
         )  # fmt: skip
-        _raise_for(code, d)
+        raise_for(code, d)
         return out
 
 
-def _raise_for(code: int, head_dim: int) -> None:
+def raise_for(code: int, head_dim: int) -> None:
     """The exception a step kernel's return code stands for (0: none)."""
     if code == -2:
         raise ValueError(f"the attention kernel does not take heads of size {head_dim} (multiples of {HEAD_STEP})")
@@ -335,48 +343,3 @@ def ops(dtype: torch.dtype, device: torch.device | str = "cpu") -> Ops | None:
     read host memory), or None where they do not run."""
     lib = library() if dtype == torch.bfloat16 and torch.device(device).type == "cpu" else None
     return None if lib is None else Ops(lib)
-
-
-class Block(ctypes.Structure):
-    """One decoder layer for q4_decode (the C struct q4_block)."""
-
-    _fields_ = [(name, ctypes.c_void_p) for name in ("norm1", "norm2", "qkv", "o", "gate_up", "down")]
-
-
-class Model(ctypes.Structure):
-    """The decoder layers for q4_decode (the C struct q4_model)."""
-
-    _fields_ = [
-        *((name, ctypes.c_int64) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "inner")),
-        ("eps", ctypes.c_float),
-        ("blocks", ctypes.c_void_p),
-    ]
-
-
-class Decoder:
-    """Every decoder layer of a step in one call into the library: norms, q4 matmuls, rotary
-    positions, cache writes, attention and the SwiGLU MLP, for up to `Ops.MAX_ROWS` rows.
-
-    `layers`: (norm1 weight, norm2 weight, qkv, o, gate_up, down) per layer, the four matmuls as
-    `Packed` 4-bit weights; the tensors must outlive the decoder."""
-
-    def __init__(self, ops: Ops, layers: list[tuple], hidden: int, heads: int, kv_heads: int, head_dim: int,
-                 inner: int, eps: float) -> None:  # fmt: skip
-        self.lib, self.variant = ops.lib, ops.variant
-        self.blocks = (Block * len(layers))(
-            *(Block(n1.data_ptr(), n2.data_ptr(), *(p.address for p in linears)) for n1, n2, *linears in layers)
-        )
-        self.model = Model(len(layers), hidden, heads, kv_heads, head_dim, inner, eps, ctypes.addressof(self.blocks))
-        self.address = ctypes.addressof(self.model)
-
-    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, past: int, mask: Tensor | None, keys: Tensor,
-                 values: Tensor) -> None:  # fmt: skip
-        """x (t, hidden) bf16, contiguous: the residual stream, updated in place; cos, sin (t, head
-        dim); keys and values (layers, kv heads, capacity, head dim), rows [past, past + t) written;
-        mask (t, past + t) bf16, 0 where a key is seen, or None."""
-        code = self.lib.q4_decode(
-            self.address, self.variant, torch.get_num_threads(), x.shape[0], x.data_ptr(), cos.data_ptr(),
-            sin.data_ptr(), past, None if mask is None else mask.data_ptr(), keys.data_ptr(), values.data_ptr(),
-            keys.shape[2],
-        )  # fmt: skip
-        _raise_for(code, self.model.head_dim)

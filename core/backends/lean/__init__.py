@@ -1,4 +1,5 @@
-"""A lean decode forward for Llama-family backbones on the CPU, with a pre-allocated KV cache.
+"""A lean decode forward for Llama-family, Qwen3 and Gemma 3 backbones on the CPU, with a
+pre-allocated KV cache.
 
 Most of a small model's decoding step on a CPU is not arithmetic: it is per-operator overhead
 in the generic transformers forward (mask building, cache bookkeeping, dozens of small ops a
@@ -16,7 +17,8 @@ layer) and BLAS re-packing the weights on every multi-row matmul. This package r
   go through its whole-layer decoder in one call (`native`).
 
 Only architectures whose layers are exactly RMSNorm → GQA attention with rotary positions →
-SwiGLU MLP are served (`servable`); everything else keeps the transformers backend. The parts
+gated MLP are served (`servable`: Llama, Mistral, Qwen2; Qwen3's q/k head norms; Gemma 3's
+norms, GELU-tanh gate and sliding-window layers); everything else keeps the transformers backend. The parts
 are named here too: the EAGLE draft layer (`core.drafters.eagle_tree`) is built of them.
 """
 

@@ -1,4 +1,5 @@
-"""The lean forward: embedding → decoder layers → final norm of a Llama-family model on a StaticKV.
+"""The lean forward: embedding → decoder layers → final norm of a Llama-family (or Qwen3, Gemma 3)
+model on a StaticKV.
 
 It runs straight from the model's own modules (nothing is copied). Where every layer runs on the
 kernel library, a step's layers go through its whole-layer decoder in one call; a prompt is read
@@ -16,13 +17,14 @@ from torch import Tensor, nn
 from core.backends import q4
 from core.backends.base import Taps
 from core.backends.lean.kv import StaticKV
-from core.backends.lean.layer import LeanLayer, causal_mask, norm
-from core.backends.lean.native import native_decoder, run_native
-from core.backends.lean.rope import Rope
+from core.backends.lean.layer import LeanLayer, causal_mask, norm, window_mask
+from core.backends.lean.native import Decoder, native_decoder, run_native
+from core.backends.lean.rope import Rope, takes_kinds
 
 
 class LeanForward:
-    """Embedding → decoder layers → final norm of a Llama-family model, on a StaticKV."""
+    """Embedding → decoder layers → final norm of a Llama-family (or Qwen3, Gemma 3) model, on a
+    StaticKV. Gemma 3's sliding and full layers read rotary tables of their own (`ropes`)."""
 
     def __init__(self, model: nn.Module) -> None:
         base = model.base_model
@@ -32,11 +34,14 @@ class LeanForward:
         first = self.layers[0]
         self.kv_heads, self.head_dim = first.kv_heads, first.head_dim
         self.dtype = model.dtype
-        self.rope = Rope(base.rotary_emb, self.head_dim, self.dtype)
+        kinds = sorted({one.kind for one in self.layers}) if takes_kinds(base.rotary_emb) else [None]
+        self.ropes = [Rope(base.rotary_emb, self.head_dim, self.dtype, kind) for kind in kinds]
+        self.rope_of = [kinds.index(one.kind) if len(kinds) > 1 else 0 for one in self.layers]  # per layer
+        self.rope = self.ropes[0]
         self.final_norm = norm(base.norm, q4.ops(self.dtype, model.device))
-        self.native = native_decoder(base.layers, config, self.layers)  # every layer in one call, or None
+        self.native = native_decoder(base.layers, config, self.layers, self.rope_of)  # every layer in one call, or None
         self._modules, self._config = base.layers, config
-        self._segments: dict[Taps, list[tuple[int, int, q4.Decoder]]] = {}
+        self._segments: dict[Taps, list[tuple[int, int, Decoder]]] = {}
 
     def new_cache(self) -> StaticKV:
         return StaticKV(len(self.layers), self.kv_heads, self.head_dim, self.dtype)
@@ -55,24 +60,20 @@ class LeanForward:
         causal = mask is None and t > 1
         if causal and past:  # a causal block after a prefix: build the mask (prefill on top of a cache)
             mask, causal = causal_mask(t, past, self.dtype), False
-        rope = self.rope(positions)
+        ropes = [rope(positions) for rope in self.ropes]
         x = self.embed(ids).contiguous()
         tapped: list[Tensor] = []
         if not taps:
-            if not run_native(self.native, x, rope, past, mask, causal, cache):
-                for layer in self.layers:
-                    x = layer(x, rope, cache, past, mask, causal)
+            if not run_native(self.native, x, ropes, past, mask, causal, cache, positions=positions):
+                x = self._layers(x, ropes, positions, cache, past, mask, causal, ())[0]
         elif self.native is not None and q4.Ops.takes(t, mask, causal, x.dtype):
             tapped += [x.clone()] if 0 in taps else []
             for start, stop, decoder in self._segments_for(taps):
-                run_native(decoder, x, rope, past, mask, causal, cache, start)
+                run_native(decoder, x, ropes, past, mask, causal, cache, start, positions)
                 if stop in taps:
                     tapped.append(x.clone())
         else:
-            tapped += [x.clone()] if 0 in taps else []
-            for i, layer in enumerate(self.layers, 1):
-                x = layer(x, rope, cache, past, mask, causal)
-                tapped += [x.clone()] if i in taps else []
+            x, tapped = self._layers(x, ropes, positions, cache, past, mask, causal, taps)
         cache.length = past + t
         return self.final_norm(x), torch.cat(tapped, dim=-1) if taps else None
 
@@ -95,12 +96,24 @@ class LeanForward:
             tapped.append(streams)
         return torch.cat(every), torch.cat(tapped) if taps else None
 
-    def _segments_for(self, taps: Taps) -> list[tuple[int, int, q4.Decoder]]:
+    def _layers(self, x, ropes, positions, cache, past, mask, causal, taps: Taps) -> tuple[Tensor, list[Tensor]]:
+        """The layers one by one on torch's ops (and the library's row-by-row ops), with each
+        sliding-window layer's mask; the streams after the `taps`."""
+        masks = {0: (mask, causal)}
+        tapped = [x.clone()] if 0 in taps else []
+        for i, (layer, r) in enumerate(zip(self.layers, self.rope_of, strict=True), 1):
+            if layer.window not in masks:
+                masks[layer.window] = window_mask(mask, causal, positions, past, layer.window, self.dtype)
+            x = layer(x, ropes[r], cache, past, *masks[layer.window])
+            tapped += [x.clone()] if i in taps else []
+        return x, tapped
+
+    def _segments_for(self, taps: Taps) -> list[tuple[int, int, Decoder]]:
         """The library's decoders over the layers between consecutive taps (built once per taps)."""
         if taps not in self._segments:
             bounds = sorted({0, *taps, len(self.layers)})
             self._segments[taps] = [
-                (a, b, native_decoder(self._modules[a:b], self._config, self.layers[a:b]))
+                (a, b, native_decoder(self._modules[a:b], self._config, self.layers[a:b], self.rope_of[a:b]))
                 for a, b in itertools.pairwise(bounds)
             ]
         return self._segments[taps]

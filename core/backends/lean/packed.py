@@ -17,6 +17,7 @@ KERNELS = ("dense", "onednn", "int4", "q4", "q8")  # how a PackedLinear multipli
 QUANTIZED = ("int4", "q4", "q8")  # the kernels of quantized weights, run with bf16 activations
 LIBRARY = ("q4", "q8")  # the kernels of the project's own library (core.backends.q4)
 ROW_STEP = 64  # every kernel takes a multiple of this many outputs (torch's int4 layout needs it)
+PACK_ROWS = 16 * ROW_STEP  # outputs packed for the int4 kernel at a time
 
 
 class PackedLinear(nn.Module):
@@ -82,7 +83,12 @@ def _int4_pack(w: Tensor) -> tuple[Tensor, Tensor]:
     """(out, in) weight → torch's packed int4 layout and its (in/group, out, 2) scales and zeros.
 
     The 4-bit form is `quantize.quantize`'s (each group's own minimum and step), so weights that
-    were 4-bit with such blocks to begin with (GGUF Q4_1) come back as they were, up to bf16 scales."""
+    were 4-bit with such blocks to begin with (GGUF Q4_1) come back as they were, up to bf16 scales.
+    Done `PACK_ROWS` outputs at a time (the layout goes by rows): a large weight's float32 working
+    copies would otherwise take several times its size."""
+    if w.shape[0] > PACK_ROWS:
+        parts = [_int4_pack(w[i : i + PACK_ROWS]) for i in range(0, w.shape[0], PACK_ROWS)]
+        return torch.cat([p for p, _ in parts]), torch.cat([s for _, s in parts], dim=1)
     q, step, low = quantize(w)
     zeros = low + 8 * step  # the kernel computes (q - 8) * step + zero
     scales_zeros = torch.stack([step.t(), zeros.t()], dim=-1).contiguous().to(torch.bfloat16)

@@ -1,6 +1,8 @@
-"""Rotary position embedding for the lean layer, as transformers' Llama applies it."""
+"""Rotary position embedding for the lean layer, as transformers' Llama (and Qwen3, Gemma 3) applies it."""
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch import Tensor, nn
@@ -10,8 +12,10 @@ class Rope:
     """Rotary cos and sin by position, from a table grown as positions grow (rotate-half
     convention, the sign folded into sin)."""
 
-    def __init__(self, rotary: nn.Module, head_dim: int, dtype: torch.dtype) -> None:
+    def __init__(self, rotary: nn.Module, head_dim: int, dtype: torch.dtype, layer_type: str | None = None) -> None:
         self.rotary, self.head_dim, self.dtype = rotary, head_dim, dtype
+        # the rotary module's table for this kind of layer (Gemma 3's sliding and full layers differ)
+        self.kind = {} if layer_type is None else {"layer_type": layer_type}
         self._cos = self._sin = torch.empty(0)
 
     def __call__(self, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -20,7 +24,7 @@ class Rope:
         if top > self._cos.shape[0]:
             size = max(top, 2 * self._cos.shape[0], 256)
             probe = torch.zeros(1, dtype=self.dtype, device=positions.device)
-            cos, sin = self.rotary(probe, torch.arange(size, device=positions.device).view(1, -1))
+            cos, sin = self.rotary(probe, torch.arange(size, device=positions.device).view(1, -1), **self.kind)
             half = self.head_dim // 2
             sign = torch.cat([-torch.ones(half), torch.ones(self.head_dim - half)]).to(sin)
             self._cos, self._sin = cos[0], sin[0] * sign
@@ -33,3 +37,8 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     `sin` carries the rotation's sign (−sin on the first half)."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def takes_kinds(rotary: nn.Module) -> bool:
+    """Whether a rotary module keeps a table per kind of layer (Gemma 3's: `layer_type`)."""
+    return "layer_type" in inspect.signature(rotary.forward).parameters

@@ -9,20 +9,27 @@ import torch
 from torch import Tensor, nn
 
 from core.backends.lean.backend import LeanBackend, cost_grows_by_row
+from core.backends.lean.layer import act_name
 from core.backends.lean.packed import PackedLinear
 
-SUPPORTED = ("llama", "mistral", "qwen2")  # model_type values whose decoder layers the lean forward reproduces
+# model_type values whose decoder layers the lean forward reproduces
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+WINDOWED = ("gemma3_text",)  # the families whose sliding-window layers it reproduces
 
 
 def servable(config) -> bool:
     """Whether the lean forward reproduces the forward of a model with this (transformers) config."""
     text = config.get_text_config()
-    return (
-        text.model_type in SUPPORTED
-        and getattr(text, "hidden_act", "silu") == "silu"
-        and not getattr(config, "quantization_config", None)
-        and not any("sliding" in t for t in (getattr(text, "layer_types", None) or []))
-    )
+    if text.model_type not in SUPPORTED or getattr(config, "quantization_config", None):
+        return False
+    if text.model_type in WINDOWED:  # the text model alone (Gemma3ForCausalLM), causal, no attention softcapping
+        return (
+            config.model_type == text.model_type
+            and act_name(text) == "gelu_tanh"
+            and getattr(text, "attn_logit_softcapping", None) is None
+            and not getattr(text, "use_bidirectional_attention", False)
+        )
+    return act_name(text) == "silu" and not any("sliding" in t for t in (getattr(text, "layer_types", None) or []))
 
 
 class Part(nn.Module):
@@ -79,7 +86,8 @@ def accelerate(
     `by_row(head)`: whether a tree's logits go a node at a time (default: timed here, now; the
     loader passes `core.measure.kernels.head_by_row`, which remembers it)."""
     for layer in model.base_model.layers:
-        pack_layer(layer, kernel)
+        if not any(isinstance(m, PackedLinear) for m in layer.modules()):  # else packed as it loaded
+            pack_layer(layer, kernel)
     head = model.get_output_embeddings()
     packed = PackedLinear(head.weight, head.bias, head_kernel)
     packed.weight = head.weight

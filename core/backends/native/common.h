@@ -19,6 +19,23 @@ static inline float bf16_to_float(uint16_t b) {
   return f;
 }
 
+static inline float exp_neg(float x) { /* e^x for x <= 0, to about 2 ulp (0 below -87) */
+  x = x < -87.0f ? -87.0f : x;
+  float n = __builtin_rintf(x * 1.44269504f);
+  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
 static inline uint16_t float_to_bf16(float f) { /* round to nearest even */
   uint32_t bits;
   memcpy(&bits, &f, 4);
@@ -40,3 +57,12 @@ typedef struct {
 } q4_layer;
 
 int q4_run(const q4_layer *layer, int isa, int threads, int64_t rows, const uint16_t *x, int64_t ldx, uint16_t *y);
+
+/* step.c's attention of t rows (mask rows ldm apart; keys before `open` seen by every row) and
+ * the first key some row does not see. */
+int q4_attend(int isa, int threads, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, int64_t length,
+              const uint16_t *q, int64_t ldq, const uint16_t *k, const uint16_t *v, int64_t capacity,
+              const uint16_t *mask, int64_t ldm, int64_t open, float scale, uint16_t *out);
+int64_t q4_first_hidden(const uint16_t *mask, int64_t t, int64_t length, int64_t ldm);
+void q4_rmsnorm(int isa, int64_t rows, int64_t n, const uint16_t *x, int64_t ldx, const void *w, int wide, float eps,
+                uint16_t *y);

@@ -1,0 +1,170 @@
+/* Whole decoder layers in one call: every layer of a decoding step (up to 64 rows) through the
+ * q4 matmuls and step.c's norms and attention.
+ *
+ * The layers of Llama, Mistral and Qwen2 (RMSNorm → GQA attention with rotary positions →
+ * RMSNorm → SwiGLU MLP), Qwen3 (the same with an RMSNorm over each head of q and k before the
+ * rotation) and Gemma 3 (norms x·(1 + w) in float32; q/k head norms; a norm on the attention's
+ * and on the MLP's output before each residual add; a GELU-tanh gated MLP; sliding-window layers
+ * with their own rotary table). Every row is computed on its own, as in step.c.
+ */
+#include "common.h"
+
+static inline float bf(uint16_t b) { return bf16_to_float(b); }
+
+/* One decoder layer's weights (core/q4.py's Block), q/k/v and gate/up fused. Norm weights are
+ * bf16, or float32 (1 + w) in a Gemma model; q_norm, k_norm (head_dim), post_attn and post_mlp
+ * (hidden) may be NULL. window: a sliding-window layer's window (a row at position p sees the
+ * keys at positions > p - window), 0 for full attention; rope: which rotary table it reads. */
+typedef struct {
+  const void *norm1, *norm2;
+  const q4_layer *qkv, *o, *gate_up, *down;
+  const void *q_norm, *k_norm, *post_attn, *post_mlp;
+  int64_t window, rope;
+} q4_block;
+
+typedef struct {
+  int64_t layers, hidden, heads, kv_heads, head_dim, inner;
+  float eps, scale; /* scale: the attention's (d^-0.5, or Gemma's query_pre_attn_scalar^-0.5) */
+  int64_t gemma;    /* norms as Gemma's (float32 weights, one rounding) */
+  int64_t act;      /* the MLP's gate: 0 SiLU, 1 GELU (tanh approximation) */
+  const q4_block *blocks;
+} q4_model;
+
+static inline float sigmoid_times(float x, float z) { /* x·σ(z), through e^y for y <= 0 */
+  float e = exp_neg(z >= 0.0f ? -z : z);
+  return z >= 0.0f ? x / (1.0f + e) : x * e / (1.0f + e);
+}
+
+static inline float silu(float g) { return sigmoid_times(g, g); }
+
+static inline float gelu_tanh(float g) { /* ½g(1 + tanh u) = g·σ(2u), u = √(2/π)(g + 0.044715g³) */
+  return sigmoid_times(g, 1.5957691216057308f * (g + 0.044715f * g * g * g));
+}
+
+#define ELEMENTWISE(NAME, TARGET)                                                                                    \
+  TARGET static void NAME##_add(int64_t n, uint16_t *x, const uint16_t *y) {                                         \
+    _Pragma("omp simd") for (int64_t i = 0; i < n; i++) x[i] = float_to_bf16(bf(x[i]) + bf(y[i]));                   \
+  }                                                                                                                  \
+  TARGET static void NAME##_swiglu(int64_t n, const uint16_t *g, const uint16_t *u, uint16_t *m) {                   \
+    _Pragma("omp simd") for (int64_t i = 0; i < n; i++) m[i] = float_to_bf16(bf(float_to_bf16(silu(bf(g[i])))) * bf(u[i])); \
+  }                                                                                                                  \
+  TARGET static void NAME##_geglu(int64_t n, const uint16_t *g, const uint16_t *u, uint16_t *m) {                    \
+    _Pragma("omp simd") for (int64_t i = 0; i < n; i++) m[i] = float_to_bf16(bf(float_to_bf16(gelu_tanh(bf(g[i])))) * bf(u[i])); \
+  }                                                                                                                  \
+  TARGET static void NAME##_rope(int64_t heads, int64_t d, uint16_t *x, const uint16_t *cos, const uint16_t *sin) {  \
+    float row[512];                                                                                                  \
+    int64_t half = d / 2;                                                                                            \
+    for (int64_t h = 0; h < heads; h++) {                                                                            \
+      uint16_t *xh = x + h * d;                                                                                      \
+      for (int64_t i = 0; i < d; i++) row[i] = bf(xh[i]);                                                            \
+      _Pragma("omp simd") for (int64_t i = 0; i < d; i++) {                                                          \
+        float turned = i < half ? row[i + half] : row[i - half];                                                     \
+        xh[i] = float_to_bf16(row[i] * bf(cos[i]) + turned * bf(sin[i]));                                            \
+      }                                                                                                              \
+    }                                                                                                                \
+  }
+
+ELEMENTWISE(e512, T512)
+ELEMENTWISE(e256, T256)
+
+/* The keys a sliding-window layer's rows see, over keys [*lo, length): the keys before *lo are
+ * seen by no row (they are skipped: an unseen key adds nothing, so this changes no bits). A key
+ * at index j < past sits at position j; the t new rows' keys at `positions`. Returns the mask
+ * (t × (length - *lo), written into `room`), or NULL where every row sees every key from *lo on
+ * (a one-token step). */
+static const uint16_t *window_mask(int64_t t, int64_t past, int64_t length, const int64_t *positions,
+                                   const uint16_t *mask, int64_t window, int64_t *lo, uint16_t *room) {
+  int64_t first = positions[0];
+  for (int64_t r = 1; r < t; r++) first = positions[r] < first ? positions[r] : first;
+  first = first - window + 1;
+  *lo = first < 0 ? 0 : first > past ? past : first;
+  int64_t width = length - *lo, hidden = 0;
+  for (int64_t r = 0; r < t; r++)
+    for (int64_t j = *lo; j < length; j++) {
+      int64_t at = j < past ? j : positions[j - past];
+      int off = (mask && (mask[r * length + j] & 0x7fff)) || at <= positions[r] - window;
+      room[r * width + j - *lo] = off ? 0xff80 : 0; /* -inf */
+      hidden |= off;
+    }
+  return hidden ? room : NULL;
+}
+
+/* Rows [0, t) of x (row stride n): an RMSNorm over each `heads` groups of d in place. */
+static void head_norms(const q4_model *model, int isa, int64_t t, int64_t ldx, uint16_t *x, int64_t heads,
+                       const void *w) {
+  for (int64_t r = 0; r < t; r++)
+    q4_rmsnorm(isa, heads, model->head_dim, x + r * ldx, model->head_dim, w, (int)model->gemma, model->eps,
+               x + r * ldx);
+}
+
+/* Layer `layer`'s attention: norms and rotation of q and k, the cache writes, attention → a. */
+static int attend(const q4_model *model, const q4_block *b, int isa, int threads, int64_t t, uint16_t *qkv,
+                  const uint16_t *cos, const uint16_t *sin, const int64_t *positions, int64_t past,
+                  const uint16_t *mask, int64_t open, uint16_t *kl, uint16_t *vl, int64_t capacity, uint16_t *room,
+                  uint16_t *a) {
+  int64_t d = model->head_dim, heads = model->heads, kv = model->kv_heads, q = heads * d, width = q + 2 * kv * d;
+  int64_t length = past + t;
+  if (b->q_norm) head_norms(model, isa, t, width, qkv, heads, b->q_norm);
+  if (b->k_norm) head_norms(model, isa, t, width, qkv + q, kv, b->k_norm);
+  for (int64_t r = 0; r < t; r++) {
+    uint16_t *row = qkv + r * width;
+    (isa == 2 ? e512_rope : e256_rope)(heads + kv, d, row, cos + r * d, sin + r * d);
+    for (int64_t g = 0; g < kv; g++) {
+      memcpy(kl + (g * capacity + past + r) * d, row + q + g * d, sizeof(uint16_t) * (size_t)d);
+      memcpy(vl + (g * capacity + past + r) * d, row + q + (kv + g) * d, sizeof(uint16_t) * (size_t)d);
+    }
+  }
+  if (!b->window)
+    return q4_attend(isa, threads, t, heads, kv, d, length, qkv, width, kl, vl, capacity, mask, length, open,
+                     model->scale, a);
+  int64_t lo;
+  const uint16_t *seen = window_mask(t, past, length, positions, mask, b->window, &lo, room);
+  int64_t part = length - lo;
+  return q4_attend(isa, threads, t, heads, kv, d, part, qkv, width, kl + lo * d, vl + lo * d, capacity, seen, part,
+                   q4_first_hidden(seen, t, part, part), model->scale, a);
+}
+
+/* t rows of the residual stream x (t × hidden, bf16, in and out) through every layer. cos, sin:
+ * (rotary tables × t × head_dim) bf16 (sin's first half negated); positions: the t rows'
+ * positions (read by sliding-window layers); keys, values: layers × kv_heads × capacity ×
+ * head_dim bf16, rows [past, past + t) written; mask: t × (past + t) bf16 (0: seen) or NULL
+ * (every row sees every key). Returns 0, or -1 when scratch memory could not be had. */
+int q4_decode(const q4_model *model, int isa, int threads, int64_t t, uint16_t *x, const uint16_t *cos,
+              const uint16_t *sin, const int64_t *positions, int64_t past, const uint16_t *mask, uint16_t *keys,
+              uint16_t *values, int64_t capacity) {
+  int64_t hidden = model->hidden, d = model->head_dim, heads = model->heads, kv = model->kv_heads;
+  int64_t q = heads * d, width = q + 2 * kv * d, inner = model->inner, length = past + t;
+  if (d > 512 || d % 16) return -2;
+  size_t scratch = (size_t)(t * (hidden + width + q + hidden + 2 * inner + inner) + t * length);
+  uint16_t *h = malloc(sizeof(uint16_t) * scratch);
+  if (!h) return -1;
+  uint16_t *qkv = h + t * hidden, *a = qkv + t * width, *o = a + t * q, *gu = o + t * hidden, *m = gu + t * 2 * inner;
+  uint16_t *room = m + t * inner;
+  int code = 0, wide = (int)model->gemma;
+  int64_t open = q4_first_hidden(mask, t, length, length);
+  for (int64_t layer = 0; layer < model->layers && !code; layer++) {
+    const q4_block *b = model->blocks + layer;
+    uint16_t *kl = keys + layer * kv * capacity * d, *vl = values + layer * kv * capacity * d;
+    const uint16_t *c = cos + b->rope * t * d, *s = sin + b->rope * t * d;
+    q4_rmsnorm(isa, t, hidden, x, hidden, b->norm1, wide, model->eps, h);
+    code |= q4_run(b->qkv, isa, threads, t, h, hidden, qkv);
+    code |= attend(model, b, isa, threads, t, qkv, c, s, positions, past, mask, open, kl, vl, capacity, room, a);
+    code |= q4_run(b->o, isa, threads, t, a, q, o);
+    if (b->post_attn) q4_rmsnorm(isa, t, hidden, o, hidden, b->post_attn, wide, model->eps, o);
+    (isa == 2 ? e512_add : e256_add)(t * hidden, x, o);
+    q4_rmsnorm(isa, t, hidden, x, hidden, b->norm2, wide, model->eps, h);
+    code |= q4_run(b->gate_up, isa, threads, t, h, hidden, gu);
+    for (int64_t r = 0; r < t; r++) {
+      const uint16_t *g = gu + r * 2 * inner, *u = g + inner;
+      if (model->act)
+        (isa == 2 ? e512_geglu : e256_geglu)(inner, g, u, m + r * inner);
+      else
+        (isa == 2 ? e512_swiglu : e256_swiglu)(inner, g, u, m + r * inner);
+    }
+    code |= q4_run(b->down, isa, threads, t, m, inner, o);
+    if (b->post_mlp) q4_rmsnorm(isa, t, hidden, o, hidden, b->post_mlp, wide, model->eps, o);
+    (isa == 2 ? e512_add : e256_add)(t * hidden, x, o);
+  }
+  free(h);
+  return code ? -1 : 0;
+}
