@@ -1,7 +1,9 @@
 """The transformers backend: the model's own forward and its DynamicCache.
 
 It serves any architecture on any device, bitsandbytes' 4- and 8-bit weights included: a tree's
-verify forward is the model's own attention with a 4D float mask and explicit position ids.
+verify forward is the model's own attention with a 4D float mask and explicit position ids. A model
+with sliding-window layers (Gemma 2/3, Mistral's window, Qwen2's optional one) gets the tree mask
+with the window applied for those layers: transformers takes a given 4D mask as is, for every layer.
 `core.backends.lean` serves Llama-family models on the CPU faster; everything else runs here.
 """
 
@@ -24,6 +26,7 @@ class TorchBackend(OnModel):
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        self._windows = windows(model.config)
 
     def describe(self) -> str:
         return "transformers"
@@ -45,7 +48,7 @@ class TorchBackend(OnModel):
         base = self.model.base_model
         out = base(
             input_ids=ids.view(1, -1),
-            attention_mask=mask,
+            attention_mask=layered(mask, positions, self._windows),
             position_ids=positions.view(1, -1),
             **argument(base, cache),
             use_cache=True,
@@ -68,6 +71,42 @@ class TorchBackend(OnModel):
 
     def logits(self, hidden: Tensor, tree: bool = False) -> DenseLogits:
         return DenseLogits(project(self.model, hidden))
+
+
+def windows(config) -> dict[str, int] | None:
+    """The sliding window of each kind of layer in `config`, by the names transformers' masks are
+    keyed by: {layer type: window} for a model with `layer_types` and sliding layers, {"": window}
+    for one whose every layer slides (Mistral's config), None where no layer slides."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    if not window:
+        return None
+    if types:
+        if "sliding_attention" not in types:
+            return None
+        return {"full_attention": 0, "sliding_attention": int(window)}
+    return {"": int(window)}
+
+
+def layered(mask: Tensor | None, positions: Tensor, windows: dict[str, int] | None) -> Tensor | dict | None:
+    """The tree mask as the model takes it: as is without sliding layers; with the window applied
+    (a query at position p sees keys at positions above p - window, as transformers' and llama.cpp's
+    sliding layers do) for the sliding ones, keyed by layer type where the model has several kinds.
+    Keys before the T queries are the committed prefix, each at its index; the queries' own keys sit
+    at their positions."""
+    if mask is None or windows is None:
+        return mask  # causal: transformers builds each layer type's mask itself
+    past = mask.shape[-1] - positions.numel()
+    keys = torch.cat([torch.arange(past, device=positions.device), positions.view(-1)])
+    by_type = {}
+    for kind, window in windows.items():
+        if window <= 0:
+            by_type[kind] = mask
+            continue
+        outside = keys.view(1, -1) <= positions.view(-1, 1) - window  # (T, past + T)
+        by_type[kind] = mask.masked_fill(outside.to(mask.device), torch.finfo(mask.dtype).min)
+    return by_type.get("", by_type)  # one mask where every layer slides
 
 
 def _tapped(out, taps: Taps) -> Tensor | None:
