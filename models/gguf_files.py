@@ -51,11 +51,27 @@ def is_gguf(name: str) -> bool:
 
 def folder_for(path: Path) -> Path:
     """The transformers folder of the GGUF file at `path`, converted on first use."""
+    path = _existing(path)
+    return convert(path, folder_of(path), str(path))
+
+
+def described_folder(path: Path) -> Path:
+    """The folder of the GGUF file at `path` with its config, generation config and tokenizer (its
+    weights stay in the file: `models.direct_gguf` reads them), written on first use."""
+    path = _existing(path)
+    return describe(path, folder_of(path))
+
+
+def folder_of(path: Path) -> Path:
+    """Where the GGUF file at `path` is described and, where asked for, converted."""
+    return cache_dir() / "models" / f"gguf-{file_key(path)}"
+
+
+def _existing(path: Path) -> Path:
     path = Path(path).expanduser()
     if not path.is_file():
         raise UserError(f"There is no GGUF file at {path}; check the path.")
-    target = cache_dir() / "models" / f"gguf-{file_key(path)}"
-    return convert(path, target, str(path))
+    return path
 
 
 def file_key(path: Path) -> str:
@@ -111,6 +127,66 @@ def is_converted(folder: Path) -> bool:
     except (OSError, ValueError, SafetensorError):
         return False
     return isinstance(config, dict) and (folder / "tokenizer_config.json").is_file()
+
+
+def is_described(folder: Path) -> bool:
+    """Whether `folder` holds a readable config.json and a tokenizer (a description or a conversion)."""
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and (folder / "tokenizer_config.json").is_file()
+
+
+def describe(gguf: Path, target: Path, what: str | None = None) -> Path:
+    """`target` with the config, generation config and tokenizer of the GGUF file `gguf`, read from
+    its metadata unless they are there already (a damaged description is written again); `what`
+    names it in the one progress line."""
+    if is_described(target):
+        return target
+    check(gguf)
+    print(f"Reading the tokenizer and config of {what or gguf} (once)…", file=sys.stderr, flush=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".describe-"))
+    except OSError as e:
+        raise UserError(f"The model cache {target.parent} cannot be written ({e.strerror or e}).") from e
+    try:
+        with _no_progress_bar():
+            _write_description(gguf, tmp)
+        if target.exists():
+            shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+    except OSError as e:
+        if not is_described(target):  # else another process got there first
+            raise UserError(f"The description of {gguf} could not be written ({e.strerror or e}).") from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _write_description(gguf: Path, folder: Path) -> None:
+    """The config (as the conversion writes it), generation config and tokenizer of `gguf` in `folder`."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    try:
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except (ValueError, KeyError, IndexError, TypeError, RuntimeError, NotImplementedError) as e:
+        raise UserError(f"{gguf} could not be read ({type(e).__name__}: {e}); the file may be damaged.") from e
+    values = config.to_dict()
+    values.pop("quantization_config", None)
+    plain = type(config).from_dict(values)
+    plain.architectures = [AutoModelForCausalLM._model_mapping[type(config)].__name__]  # as a conversion has it
+    plain.save_pretrained(folder)
+    GenerationConfig.from_model_config(plain).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def with_weights(folder: Path, gguf: Path | None) -> Path:
+    """`folder` with the model's weights as `from_pretrained` reads them: the GGUF file's it
+    describes (if any) converted into it on first use."""
+    return folder if gguf is None else convert(gguf, folder, str(gguf))
 
 
 def convert(gguf: Path, target: Path, what: str) -> Path:

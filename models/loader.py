@@ -23,11 +23,11 @@ from core.drafters.eagle import EagleDraft, load_draft
 from core.drafters.retrieval import Corpus, load_corpus
 from core.errors import UserError
 from core.measure import costs, kernels
-from models import catalog, gguf_files, hub
+from models import catalog, direct, gguf_files, hub
 from models.choices import DTYPE_NAMES
 from models.cpu import transpose_linears
 from models.eagle_formats import EAGLE_FILES, load_published
-from models.embedded import EMBEDDED_ID, cache_dir, embedded_dir
+from models.embedded import EMBEDDED_ID, cache_dir, embedded_described
 from models.heads import MedusaHeads, load_heads
 from models.quantization import bnb_config, pick_quantization
 
@@ -47,6 +47,7 @@ class ModelSpec:
     chat_template: str | None  # a template text that overrides the tokenizer's, if any
     tree: str  # default tree preset
     eagle: Path | None = None  # the model's EAGLE drafter: a shipped file or a published checkpoint's folder
+    gguf: Path | None = None  # a GGUF file's weights (`folder` holds its config and tokenizer, read from it)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class Backbone:
     chat_template: str | None = None
     folder: Path | None = None  # where the weights were loaded from
     backend: Backend | None = None  # the model's forward and cache (None: transformers' own over `model`)
+    gguf: Path | None = None  # the GGUF file the weights were read from (`folder` then holds its config)
 
     def __post_init__(self) -> None:
         if self.backend is None and self.model is not None:
@@ -97,15 +99,17 @@ def _template(name: str | None) -> str | None:
 def resolve(name: str, on_progress=None) -> ModelSpec:
     """A catalog id, a GGUF file, a local folder, or a hub repo id ("org/name") → local folders."""
     if name == EMBEDDED_ID:
-        folder = embedded_dir()
+        folder, gguf = embedded_described()
         entry = catalog.find(name)
         tree = entry.tree if entry else "cpu-16"
-        return ModelSpec(name, folder, folder, shipped_heads_dir(name), None, tree, shipped_eagle(name))
-    if gguf_files.is_gguf(name):  # a GGUF file, converted once (keyed by its hash) into a folder
-        folder = gguf_files.folder_for(Path(name))
-        return ModelSpec(name, folder, folder, None, None, "cpu-16")
+        return ModelSpec(name, folder, folder, shipped_heads_dir(name), None, tree, shipped_eagle(name), gguf)
+    if gguf_files.is_gguf(name):  # a GGUF file: its config and tokenizer written once (keyed by its hash)
+        folder = gguf_files.described_folder(Path(name))
+        return ModelSpec(name, folder, folder, None, None, "cpu-16", gguf=Path(name).expanduser())
     if entry := catalog.find(name):
         label = entry.id
+        if entry.gguf:  # a CPU entry: its one GGUF file, then opened as any GGUF file is
+            return resolve(str(_fetch_source(entry.gguf, label, on_progress) / entry.gguf_file), on_progress)
         folder = _fetch_source(entry.backbone, label, on_progress, weights=True)
         tokenizer = _fetch_source(entry.tokenizer, label, on_progress) if entry.tokenizer else folder
         if entry.heads:
@@ -246,22 +250,42 @@ def load_backbone(
             file=sys.stderr,
         )
     try:
-        model = AutoModelForCausalLM.from_pretrained(spec.folder, **options)
-        model = (model if quant in ("nf4", "int8", "pre-quantized") else model.to(dev)).eval()
+        model = _load_model(spec, config, options, quant, dev, choice)
         tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_folder)
     except torch.OutOfMemoryError as e:
         raise UserError(f"Out of GPU memory loading {spec.name}; choose a smaller model or --quantization nf4.") from e
     except (OSError, ValueError, ImportError) as e:
         raise UserError(f"Could not load the model in {spec.folder} ({e}).") from e
-    _check_attention(model)
-    backend = None  # transformers' own forward
-    if choice is not None:  # the lean forward with the kernels measured on this machine
-        record = cache_dir() / "cpu-kernels.json"  # the lm_head's by-node choice is remembered with the kernels'
-        backend = lean.accelerate(model, choice.kernel, choice.head_kernel, lambda h: kernels.head_by_row(h, record))
-    elif model.device.type == "cpu" and model.dtype == torch.float32 and quant == "none":
-        transpose_linears(model)  # bf16 is the other way round: transposed weights are far slower
     eos = _eos_ids(model, tokenizer)
-    return Backbone(spec.name, model, tokenizer, eos, spec.chat_template, spec.folder, backend)
+    backend = _backend(model, choice, quant)
+    return Backbone(spec.name, model, tokenizer, eos, spec.chat_template, spec.folder, backend, spec.gguf)
+
+
+def _backend(model: PreTrainedModel, choice: kernels.Choice | None, quant: str) -> Backend | None:
+    """The lean forward with the kernels measured on this machine where `choice` is one (None:
+    transformers' own forward, its linear layers transposed in float32 on the CPU)."""
+    if choice is not None:
+        record = cache_dir() / "cpu-kernels.json"  # the lm_head's by-node choice is remembered with the kernels'
+        with direct.large_blocks_apart():
+            return lean.accelerate(model, choice.kernel, choice.head_kernel, lambda h: kernels.head_by_row(h, record))
+    if model.device.type == "cpu" and model.dtype == torch.float32 and quant == "none":
+        transpose_linears(model)  # bf16 is the other way round: transposed weights are far slower
+    return None
+
+
+def _load_model(
+    spec: ModelSpec, config: object, options: dict, quant: str, dev: torch.device, choice: kernels.Choice | None
+) -> PreTrainedModel:
+    """The model: in int4 on the lean forward, read a tensor at a time into its packed layers
+    (`models.direct`: never the whole model in full precision); else through `from_pretrained`
+    (a GGUF file converted first)."""
+    if choice is not None and quant == "int4":
+        with direct.large_blocks_apart():
+            model = direct.packed_model(config, options["dtype"], choice.kernel, spec.gguf, spec.folder)
+        if model is not None:
+            return model
+    model = AutoModelForCausalLM.from_pretrained(gguf_files.with_weights(spec.folder, spec.gguf), **options)
+    return (model if quant in ("nf4", "int8", "pre-quantized") else model.to(dev)).eval()
 
 
 def load_stock(backbone: Backbone, dtype: torch.dtype, same_quantization: bool = False) -> PreTrainedModel:
@@ -276,17 +300,8 @@ def load_stock(backbone: Backbone, dtype: torch.dtype, same_quantization: bool =
             backbone.folder, dtype=backbone.model.dtype, device_map=device_map(device), **options
         )
         return model.eval()
-    model = AutoModelForCausalLM.from_pretrained(backbone.folder, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(gguf_files.with_weights(backbone.folder, backbone.gguf), dtype=dtype)
     return model.to(device).eval()
-
-
-def _check_attention(model: PreTrainedModel) -> None:
-    layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
-    if any("sliding" in t for t in layer_types):
-        raise UserError(
-            f"{model.config.model_type} uses sliding-window attention, which tree decoding does "
-            "not support yet; choose another model."
-        )
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: object) -> tuple[int, ...]:

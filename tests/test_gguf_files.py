@@ -1,7 +1,8 @@
 """GGUF files given to --model: tiny Llamas written here with the `gguf` package (F32, F16 and
-quantized tensors, a byte-level BPE tokenizer and a chat template in the metadata), converted once
-into a folder keyed by the file's hash, decoded exactly; bad files refused with one sentence; and
-what `--quantization auto` means on a CPU."""
+quantized tensors, a byte-level BPE tokenizer and a chat template in the metadata), described
+(config and tokenizer) once into a folder keyed by the file's hash and, for full precision,
+converted into it, decoded exactly; bad files refused with one sentence; and what
+`--quantization auto` means on a CPU. (int4 loads read the file itself: tests/test_direct_load.py.)"""
 
 from __future__ import annotations
 
@@ -156,12 +157,14 @@ def refused(code: int, out: str, err: str) -> str:
 
 
 def test_a_gguf_file_converts_to_the_model_it_was_written_from(files):
+    from models.gguf_files import folder_for
     from models.loader import resolve
 
     file, source = files["F32"]
     spec = resolve(str(file))
-    assert spec.name == str(file) and spec.tree == "cpu-16" and spec.heads_folder is None
+    assert spec.name == str(file) and spec.tree == "cpu-16" and spec.heads_folder is None and spec.gguf == file
     assert spec.folder.parent.name == "models" and spec.folder.name.startswith("gguf-")
+    assert folder_for(file) == spec.folder  # converted into the folder that describes it
     converted = AutoModelForCausalLM.from_pretrained(spec.folder, dtype=torch.float32).eval()
     ids = torch.tensor([[5, 40, 96, 0, 97, 65, 84]])
     with torch.no_grad():
@@ -174,15 +177,18 @@ def test_a_gguf_file_converts_to_the_model_it_was_written_from(files):
 
 @pytest.mark.parametrize("kind", TYPES)
 def test_generate_with_a_gguf_file_replies_as_its_converted_folder_and_the_tree_as_the_plain_loop(files, capsys, kind):
-    from models.loader import resolve
+    from models.gguf_files import folder_for
 
     file = str(files[kind][0])
-    folder = str(resolve(file).folder)
+    folder = str(folder_for(Path(file)))
     for precision in (("--dtype", "float32"), ()):  # full precision, and int4 (auto on a CPU)
         tree, said = generate(capsys, file, *precision)
-        assert "Converting" not in said  # converted once, by resolve above
+        assert "Converting" not in said  # converted once, above (int4 reads the file itself)
         assert ("(4-bit int4)" in said) == (not precision) and f"Loading {file} (" in said
-        assert tree == generate(capsys, folder, *precision)[0]
+        if kind == "Q8_0" and not precision:  # layers quantized to 8 bits in the file run as 8-bit
+            assert "run as 8-bit" in said
+        else:  # as the converted folder's layers run
+            assert tree == generate(capsys, folder, *precision)[0]
         assert tree == generate(capsys, file, "--mode", "baseline", *precision)[0]
         assert len(tree) > 0
 
@@ -192,24 +198,24 @@ def test_a_second_load_neither_converts_nor_hashes_the_file_again(cache, tmp_pat
     from models.loader import resolve
 
     calls = {"hash": 0, "convert": 0}
-    hash_file, write_folder = gguf_files.sha256_of, gguf_files._write_folder
+    hash_file, write_description = gguf_files.sha256_of, gguf_files._write_description
 
     def hashing(path):
         calls["hash"] += 1
         return hash_file(path)
 
-    def converting(gguf, folder):
+    def describing(gguf, folder):
         calls["convert"] += 1
-        return write_folder(gguf, folder)
+        return write_description(gguf, folder)
 
     monkeypatch.setattr(gguf_files, "sha256_of", hashing)
-    monkeypatch.setattr(gguf_files, "_write_folder", converting)
+    monkeypatch.setattr(gguf_files, "_write_description", describing)
     file = tmp_path / "model.gguf"
     write_gguf(file, "Q8_0", seed=5)
     capsys.readouterr()
     first = resolve(str(file)).folder
     assert calls == {"hash": 1, "convert": 1}
-    assert capsys.readouterr().err == f"Converting {file} (once)…\n"  # one progress line, no bar
+    assert capsys.readouterr().err == f"Reading the tokenizer and config of {file} (once)…\n"  # one line, no bar
     assert resolve(str(file)).folder == first and calls == {"hash": 1, "convert": 1}
     assert capsys.readouterr().err == ""
     os.utime(file, ns=(file.stat().st_atime_ns, file.stat().st_mtime_ns + 10**9))  # touched: hashed again, same key
@@ -226,12 +232,11 @@ DAMAGES = ("truncated weights", "no weights", "no config", "garbled config")
 
 @pytest.mark.parametrize("damage", DAMAGES)
 def test_a_damaged_conversion_is_rebuilt(cache, tmp_path, capsys, damage):
-    from models.gguf_files import is_converted
-    from models.loader import resolve
+    from models.gguf_files import folder_for, is_converted
 
     file = tmp_path / "model.gguf"
     write_gguf(file, "F16", seed=7 + DAMAGES.index(damage))  # a file (and conversion) of its own
-    folder = resolve(str(file)).folder
+    folder = folder_for(file)
     weights = (folder / "model.safetensors").read_bytes()
     if damage == "truncated weights":
         (folder / "model.safetensors").write_bytes(weights[: len(weights) // 2])
@@ -243,7 +248,7 @@ def test_a_damaged_conversion_is_rebuilt(cache, tmp_path, capsys, damage):
         (folder / "config.json").write_text("{ not json")
     assert not is_converted(folder)
     capsys.readouterr()
-    assert resolve(str(file)).folder == folder and is_converted(folder)
+    assert folder_for(file) == folder and is_converted(folder)
     assert "Converting" in capsys.readouterr().err
     assert (folder / "model.safetensors").read_bytes() == weights
 
@@ -306,9 +311,12 @@ def test_a_conversion_that_the_disk_cannot_hold_is_refused_before_it_starts(cach
     monkeypatch.setattr(gguf_files.shutil, "disk_usage", lambda _: SimpleNamespace(free=10_000))
     file = tmp_path / "model.gguf"
     write_gguf(file, "Q4_0", seed=11)
-    code, out, err = cli(capsys, "generate", "--model", str(file), "--prompt", "hi", "--max-new-tokens", "4")
-    sentence = refused(code, out, err)
-    assert "MB free in" in sentence and "which has 0.0 MB; free some space" in sentence and "(once)" not in err
+    args = ("--prompt", "hi", "--max-new-tokens", "4", "--quantization", "none")  # int4 converts nothing
+    code, out, err = cli(capsys, "generate", "--model", str(file), *args)
+    *progress, last = err.strip().splitlines()  # the file described, and the model's size said, before
+    assert [line.split(" ", 1)[0] for line in progress] == ["Reading", "Loading"]
+    sentence = refused(code, out, last)
+    assert "MB free in" in sentence and "which has 0.0 MB; free some space" in sentence  # nor was it started
 
 
 # ---- the embedded file, given by path ----

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         costs.measure()
     if "default" in modes:  # the model's own drafter
         modes = (next(iter(drafters)), *modes[1:])
-    modes, peers, stock = _peers(args.model, modes, backbone, max(lengths, default=0) + settings.max_new_tokens)
+    modes, peers, stock = _peers(modes, backbone, max(lengths, default=0) + settings.max_new_tokens)
     encoded = [backbone.encode_chat(p, args.system) for p in prompts]
     print(
         f"bench: {len(prompts)} prompts × {', '.join(modes)} on {args.model} "
@@ -140,7 +140,7 @@ def _modes(args: argparse.Namespace) -> tuple[str, ...]:
     return (default or "default", "baseline", "hf", *bf16, "hf-pld")
 
 
-def _peers(model: str, modes: tuple[str, ...], backbone, context: int) -> tuple[tuple[str, ...], dict, dict]:
+def _peers(modes: tuple[str, ...], backbone, context: int) -> tuple[tuple[str, ...], dict, dict]:
     """(modes, llama.cpp peers, stock copies): the other engines loaded for prompts and replies up to
     `context` tokens, and the modes left (without llama.cpp if missing, nor stock copies skipped)."""
     from app.bench import STOCK_DTYPES
@@ -148,7 +148,7 @@ def _peers(model: str, modes: tuple[str, ...], backbone, context: int) -> tuple[
 
     peers = {}
     if "llamacpp" in modes:
-        peers["llamacpp"] = _llamacpp(model, context)
+        peers["llamacpp"] = _llamacpp(backbone, context)
         modes = tuple(m for m in modes if m != "llamacpp" or peers["llamacpp"])
     # one copy per dtype; on a GPU in the backbone's own 4-bit setting, or skipped where memory is short
     stock, skipped = stock_peers(backbone, {m: STOCK_DTYPES[m] for m in modes if m in STOCK_DTYPES})
@@ -262,16 +262,19 @@ def _lengthened(backbone, prompt: str, length: int, system: str | None, notes: l
     return backbone.encode_chat(f"{filler}\n\n{prompt}", system)
 
 
-def _llamacpp(model: str, context: int = 0):
-    """llama.cpp on the embedded model's GGUF, on as many threads as torch uses, for prompts and
-    replies up to `context` tokens (0: its default); None if missing."""
+def _llamacpp(backbone, context: int = 0):
+    """llama.cpp on the GGUF file the model was read from (the embedded model's, a `.gguf` given by
+    path, a catalog CPU entry's), on as many threads as torch uses, for prompts and replies up to
+    `context` tokens (0: its default); None if missing."""
     import torch
 
     from models import llamacpp
-    from models.embedded import EMBEDDED_ID, embedded_gguf
 
-    if model != EMBEDDED_ID:
-        raise UserError(f"The llamacpp mode runs the embedded model's GGUF file; use --model {EMBEDDED_ID}.")
+    if backbone.gguf is None:
+        raise UserError(
+            "The llamacpp mode runs the model's own GGUF file, and this model was not read from one; "
+            "give --model a .gguf file, the embedded model or a catalog CPU entry."
+        )
     if context:
-        return llamacpp.load(embedded_gguf(), torch.get_num_threads(), max(context, 4096))
-    return llamacpp.load(embedded_gguf(), torch.get_num_threads())
+        return llamacpp.load(backbone.gguf, torch.get_num_threads(), max(context, 4096))
+    return llamacpp.load(backbone.gguf, torch.get_num_threads())

@@ -1,0 +1,249 @@
+"""Loading a model straight into the lean CPU backend's packed layers, one tensor at a time.
+
+`from_pretrained` followed by `lean.accelerate` holds the whole model in full precision before
+packing it: several times the packed size at its peak. Here the model is built on the meta
+device (no memory), each weight is read from its file (`TensorSource`: a safetensors folder here,
+a GGUF file in `models.direct_gguf`), cast to the activations' dtype and set, and each decoder
+layer is packed (`lean.pack_layer`) as soon as its last weight is in: at any time the process
+holds the packed layers, one layer in the activations' dtype and one tensor as read.
+
+The model is the one `from_pretrained(dtype=...)` then `accelerate` gives, bit for bit: the
+same tensors, cast the same way, packed by the same code. Files are read with plain reads, not
+memory-mapped, so pages of the file never count in the process's memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import json
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from core.backends import lean
+from core.errors import UserError
+
+LAYER = re.compile(r"\.layers\.(\d+)\.")  # a decoder layer's weight, by the index it carries
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+CHUNK = 8 << 20  # bytes of a large tensor's values read, cast or dequantized at a time
+ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+class TensorSource(Protocol):
+    """Where a model's weights are read from, by their transformers names."""
+
+    def names(self) -> Iterable[str]:
+        """The transformers names of the tensors it holds (others it holds are not listed)."""
+
+    def read(self, name: str, dtype: torch.dtype) -> Tensor:
+        """The tensor `name` in `dtype`, in the model's orientation (a large one read in parts)."""
+
+    def close(self) -> None:
+        """Done reading."""
+
+
+def skeleton(config, dtype: torch.dtype) -> PreTrainedModel:
+    """The model of `config` with its parameters on the meta device (no memory) and its
+    non-persistent buffers (rotary frequencies) computed on the CPU, as `from_pretrained` does."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    owners = {name.rpartition(".")[0] for name, _ in model.named_non_persistent_buffers()}
+    for owner in owners:
+        module = model.get_submodule(owner)
+        for key, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.is_meta:
+                module._buffers[key] = torch.empty_like(buffer, device="cpu")
+        model._init_weights(module)
+    return model.eval()
+
+
+def needed(model: PreTrainedModel) -> list[str]:
+    """The parameters a file must give: all of them, but a tied output layer's (the embedding's)."""
+    names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+    output = model.get_output_embeddings()
+    if output is not None and _ties(model):
+        head = next(n for n, m in model.named_modules() if m is output)
+        names = [n for n in names if n != f"{head}.weight"]
+    return names
+
+
+def _ties(model: PreTrainedModel) -> bool:
+    return bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
+
+
+def covers(model: PreTrainedModel, source: TensorSource) -> bool:
+    """Whether `source` holds every parameter `model` needs."""
+    return set(needed(model)) <= set(source.names())
+
+
+def packed_model(config, dtype: torch.dtype, kernel: str, gguf: Path | None, folder: Path) -> PreTrainedModel | None:
+    """The model of `config` in `dtype`, its decoder layers packed for `kernel`, its weights read
+    a tensor at a time from the GGUF file `gguf`, else from `folder`'s safetensors files. None
+    where they cannot be read so (other files, other names): `from_pretrained` loads them."""
+    from models.direct_gguf import GgufFile, say_requantized
+    from models.headers import Unreadable
+
+    model = skeleton(config, dtype)
+    try:
+        source = GgufFile(gguf, model, CHUNK) if gguf is not None else folder_source(folder)
+    except (OSError, ValueError, Unreadable) as e:
+        raise UserError(f"{gguf} is damaged or truncated: its tensors do not read ({e}).") from e
+    if source is None or not covers(model, source):
+        return None
+    if gguf is not None:
+        kernel = source.layer_kernel(linears(model), kernel)
+        say_requantized(gguf, source.requantized(linears(model)), kernel)
+    try:
+        fill(model, source, dtype, kernel)
+    except KeyError:
+        return None  # a tensor transformers' loader would have renamed or split
+    except OSError as e:
+        raise UserError(f"The weights of {gguf or folder} do not read ({e}).") from e
+    finally:
+        source.close()
+    _give_back_freed_memory()
+    return model
+
+
+def linears(model: PreTrainedModel) -> list[str]:
+    """The decoder layers' matrices: what the layer kernel holds."""
+    return [name for name, p in model.named_parameters() if LAYER.search(name) and p.dim() == 2]
+
+
+def _give_back_freed_memory() -> None:
+    """Return the heap the load freed to the system (glibc keeps it otherwise); nothing elsewhere."""
+    if (libc := _glibc()) is not None:
+        libc.malloc_trim(0)
+
+
+@contextlib.contextmanager
+def large_blocks_apart():
+    """Blocks of a MiB or more each mapped apart while weights load and pack, so each goes back to
+    the system when freed. glibc otherwise raises that threshold as large blocks are freed and
+    carves later ones from the heap, where the packed weights kept between a load's short-lived
+    working copies fragment it: the process grew by most of those copies (a quarter of a model's
+    float32 size, measured). After it, glibc's ceiling for the raised threshold (32 MiB)."""
+    libc = _glibc()
+    if libc is not None:
+        libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    try:
+        yield
+    finally:
+        if libc is not None:
+            libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim, libc.mallopt  # noqa: B018 (glibc's, or not glibc)
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def fill(model: PreTrainedModel, source: TensorSource, dtype: torch.dtype, kernel: str) -> None:
+    """Set `model`'s parameters (a `skeleton`'s) from `source` in `dtype`, packing each decoder
+    layer for `kernel` as its last weight comes in (the output layer is left to `lean.accelerate`).
+    Raises KeyError naming a parameter `source` lacks."""
+    layers = model.base_model.layers
+    waiting = {i: sum(1 for _ in layer.parameters()) for i, layer in enumerate(layers)}
+    for name in sorted(needed(model), key=_order):
+        _put(model, name, source.read(name, dtype))
+        if (match := LAYER.search(name)) is not None:
+            index = int(match.group(1))
+            waiting[index] -= 1
+            if not waiting[index]:  # the layer's last weight: packed now, its full-precision weights freed
+                lean.pack_layer(layers[index], kernel)
+                _give_back_freed_memory()  # the freed weights' heap, before the next layer fragments it
+    if _ties(model):
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    if left := [name for name, p in model.named_parameters() if p.is_meta]:
+        raise KeyError(left[0])
+
+
+def _order(name: str) -> tuple[int, str]:
+    """Embeddings and other model-wide weights first (while nothing is packed yet: the largest
+    tensor's float32 copy then costs least), then layer by layer."""
+    match = LAYER.search(name)
+    return (int(match.group(1)) if match else -1, name)
+
+
+def _put(model: nn.Module, name: str, value: Tensor) -> None:
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner)
+    module._parameters[leaf] = nn.Parameter(value, requires_grad=value.is_floating_point())  # as from_pretrained
+
+
+class SafetensorsFolder:
+    """A folder's safetensors files (one, or shards named by model.safetensors.index.json), each
+    tensor read with a plain read at its offset."""
+
+    def __init__(self, folder: Path) -> None:
+        self.where: dict[str, tuple[Path, str, list[int], int, int]] = {}
+        for file in _shards(folder):
+            with file.open("rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size))
+            header.pop("__metadata__", None)
+            for name, entry in header.items():
+                start, stop = entry["data_offsets"]
+                self.where[name] = (file, entry["dtype"], entry["shape"], 8 + size + start, stop - start)
+
+    def names(self) -> Iterable[str]:
+        return [name for name, (_, dtype, *_) in self.where.items() if dtype in ST_DTYPES]
+
+    def close(self) -> None:
+        pass  # each read opens its file
+
+    def read(self, name: str, dtype: torch.dtype) -> Tensor:
+        file, stored, shape, offset, length = self.where[name]
+        out = torch.empty(shape, dtype=dtype)
+        if not out.numel():
+            return out
+        with file.open("rb") as f:
+            if ST_DTYPES[stored] == dtype:  # straight into the tensor
+                _read_into(f, out, offset, name)
+                return out
+            rows = out.view(shape[0] if shape else 1, -1)  # cast a part of the rows at a time
+            width = length // rows.shape[0]
+            step = max(1, CHUNK // width)
+            for start in range(0, rows.shape[0], step):
+                part = torch.empty((min(step, rows.shape[0] - start), rows.shape[1]), dtype=ST_DTYPES[stored])
+                _read_into(f, part, offset + start * width, name)
+                rows[start : start + len(part)] = part
+        return out
+
+
+def _read_into(f, tensor: Tensor, offset: int, name: str) -> None:
+    """`tensor`'s bytes from the open file `f` at `offset`."""
+    view = tensor.view(-1).view(torch.uint8).numpy()
+    if os.preadv(f.fileno(), [view], offset) != view.nbytes:
+        raise OSError(f"{f.name} ends inside its tensor {name} (truncated)")
+
+
+def _shards(folder: Path) -> list[Path]:
+    """The safetensors files of a transformers folder (none where it has none)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        mapping = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        return [folder / name for name in dict.fromkeys(mapping.values())]
+    single = folder / "model.safetensors"
+    return [single] if single.is_file() else []
+
+
+def folder_source(folder: Path) -> SafetensorsFolder | None:
+    """The safetensors weights of `folder`, or None where it has none (or they do not read)."""
+    try:
+        return SafetensorsFolder(folder) if _shards(folder) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # from_pretrained says what is wrong with them
