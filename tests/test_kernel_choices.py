@@ -45,7 +45,12 @@ def test_five_launches_make_the_same_choices_and_measure_the_curve_once(tmp_path
     noisy, rng = NoisyClock(0), random.Random(1)
     monkeypatch.setattr(clock, "time_ms", noisy)  # whatever times the lm_head reads noise
     monkeypatch.setattr(kernels, "time_ms", noisy)
-    monkeypatch.setattr(kernels, "_seconds", lambda choice, hidden, inner, repeats=3: rng.uniform(1.0, 1.3))
+
+    def seconds(choice, hidden, inner, repeats=3):  # as `kernels._seconds`: None where a kernel does not run here
+        works = all(fast.kernel_works(k, kernels.DTYPES[choice.dtype]) for k in (choice.kernel, choice.head_kernel))
+        return rng.uniform(1.0, 1.3) if works else None
+
+    monkeypatch.setattr(kernels, "_seconds", seconds)
     seen = []
     for launch in range(5):
         backbone = loader.load_backbone(str(spec.folder), quantization="int4", spec=spec)
@@ -84,9 +89,10 @@ def test_a_remeasured_drafting_kernel_replaces_the_earlier_one_only_when_it_wins
     _library()
     key = kernels._key(f"draft 4x64x{fast.padded_rows(96)}")
     old_key = kernels._LIBRARY_ID.sub("|kernels 000000000000", key)
-    for new_time, want in ((0.95, ("bfloat16", "q4")), (0.8, ("bfloat16", "onednn"))):
+    # float32 oneDNN: a candidate every CPU runs (its bf16 form needs AVX-512 or AVX-NE-CONVERT)
+    for new_time, want in ((0.95, ("bfloat16", "q4")), (0.8, ("float32", "onednn"))):
         record = _record(tmp_path, {old_key: ["bfloat16", "q4"]})
-        times = {("bfloat16", "q4"): 1.0, ("bfloat16", "onednn"): new_time}
+        times = {("bfloat16", "q4"): 1.0, ("float32", "onednn"): new_time}
 
         def timed(fn, repeats=5, sync=None, fastest=False, times=times):
             layer, dt = fn.__defaults__  # the candidate the timed call runs
@@ -95,6 +101,26 @@ def test_a_remeasured_drafting_kernel_replaces_the_earlier_one_only_when_it_wins
         monkeypatch.setattr(kernels, "time_ms", timed)
         assert kernels.drafting(96, 64, 4, record) == want
         assert tuple(json.loads(record.read_text())[key]) == want
+
+
+def test_a_large_readouts_drafting_kernel_is_timed_on_a_bounded_part_of_it(tmp_path, monkeypatch):
+    """A 49,152-token readout 2,048 wide is timed on 8,192 of its outputs (64 MB of float32, still
+    beyond the cache): timed whole, its copies in every kernel held 2.5 GB at the first launch."""
+    _library()
+    shapes = []
+
+    def timed(fn, repeats=5, sync=None, fastest=False):
+        layer, _ = fn.__defaults__
+        shapes.append((layer.out_features, layer.in_features))
+        return 1.0
+
+    monkeypatch.setattr(kernels, "time_ms", timed)
+    kernels.drafting(49152, 2048, 4, tmp_path / "record.json")
+    assert shapes and set(shapes) == {(8192, 2048)}
+    assert kernels.timed_outputs(96, 64) == 96  # a small one whole
+    shapes.clear()
+    kernels.drafting(96, 64, 4, tmp_path / "other.json")
+    assert set(shapes) == {(fast.padded_rows(96), 64)}
 
 
 def test_the_lm_head_by_node_choice_is_remembered_and_turns_only_on_a_clear_ratio(tmp_path, monkeypatch):

@@ -28,6 +28,7 @@ from core.measure.profile import cpu_flags, machine
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ROWS = (1, 8)  # a plain step and a typical tree step
 WORKING_SET = 48 * 2**20  # bytes of weights cycled through while timing (beyond the CPU cache)
+DRAFT_TIMED = 64 * 2**20  # at most this many bytes of float32 weight timed for a drafting choice (see `drafting`)
 CLEAR_WIN = 1.1  # a remeasured kernel choice replaces the one measured before only when it is this much faster
 HEAD_REPEATS = 9  # interleaved timings of one and eight rows through the lm_head (their medians compared)
 WITHOUT_LIBRARY = "without the kernel library"  # the key suffix of a choice measured while the library was unavailable
@@ -171,7 +172,7 @@ def drafting(out: int, inp: int, rows: int, record: Path) -> tuple[str, str]:
     if remembered is not None and not _unavailable(remembered[1]):
         return remembered
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(out, inp, generator=gen) * 0.05
+    weight = torch.randn(timed_outputs(out, inp), inp, generator=gen) * 0.05
     x = torch.randn(rows, inp, generator=gen)
     timed = {}
     for dtype in DTYPES:
@@ -187,6 +188,15 @@ def drafting(out: int, inp: int, rows: int, record: Path) -> tuple[str, str]:
     known[key] = list(best)
     _write(record, known)
     return best
+
+
+def timed_outputs(out: int, inp: int) -> int:
+    """The outputs of a drafting matmul that are timed: all of them up to `DRAFT_TIMED` bytes of
+    float32 weight, else that much (still beyond the CPU cache, as the whole is; each kernel's cost
+    grows with the outputs alike). A 49,152-token readout at 2,048 wide timed whole held 2.5 GB
+    at its peak, the model's weights beside it."""
+    cap = lean.padded_rows(max(1, DRAFT_TIMED // (4 * inp)))
+    return min(out, cap)
 
 
 def _seconds(choice: Choice, hidden: int, inner: int, repeats: int = 3) -> float | None:
