@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from core.backends import q4
 from models.headers import _U32, _U64, _Cursor
 
 WIDE = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"}  # quantized to over 4.5 bits a weight by choice
@@ -161,10 +162,13 @@ class GgufFile:
         """The kernel the layers run with: the library's 8-bit one instead of its 4-bit one where
         most of these weights are wider than 4 bits in the file (Gemma's Q4_K_M files are mostly
         Q5_0 and Q8_0): 4 bits would lose what they hold (top-1 agreement with the file's exact
-        logits fell to ~70 % on google/gemma-3-270m's; 8 bits keep ~98 %)."""
+        logits fell to ~70 % on google/gemma-3-270m's; 8 bits keep ~98 %). That holds whichever
+        4-bit kernel was measured fastest here (torch's int4 or the library's q4), wherever the
+        library runs."""
         kinds = [self.table[self.by_name[n]].kind.name for n in names if n in self.by_name]
         wide = sum(kind in WIDE for kind in kinds)
-        return "q8" if kernel == "q4" and kinds and wide > len(kinds) / 2 else kernel
+        four_bit = kernel in ("q4", "int4") and (kernel == "q4" or q4.library() is not None)
+        return "q8" if four_bit and kinds and wide > len(kinds) / 2 else kernel
 
     def close(self) -> None:
         self.file.close()
