@@ -22,7 +22,8 @@ def test_the_status_says_when_lossless_is_exact_only_up_to_rounding():
 
     engine = Engine("tiny")
     for dtype, said in ((torch.float32, False), (torch.bfloat16, True)):
-        engine.loaded = _loaded(TorchBackend(SimpleNamespace(dtype=dtype, device=torch.device("cpu"))))
+        model = SimpleNamespace(dtype=dtype, device=torch.device("cpu"), config=SimpleNamespace())
+        engine.loaded = _loaded(TorchBackend(model))
         assert ("exact up to bfloat16 rounding" in engine.status()) is said
     if fast.kernel_works("q4", torch.bfloat16) or library_builds():  # the library's decoder rounds rows alike
         engine.loaded = _loaded(tiny_backend("llama+q4"))
