@@ -37,6 +37,7 @@ def load(gguf: Path, threads: int, context: int = 4096) -> Runner | None:
     ) -> tuple[tuple[int, ...], float, float]:
         stop = set(eos_ids) | {llm.token_eos()}
         out: list[int] = []
+        llm.reset()  # else `generate` reuses the longest prefix of the last prompt (a bench's shared filler)
         start = first = time.perf_counter()
         tokens = llm.generate(
             prompt_ids, temp=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
