@@ -1,4 +1,4 @@
-"""The lean forward serves Qwen3 and Gemma 3: q/k head norms, Gemma's norms (1 + w, the sandwich
+"""The lean forward serves Qwen3, Gemma 3 and Mistral's window: q/k head norms, Gemma's norms (1 + w, the sandwich
 around attention and MLP), the GELU-tanh gate, the attention scale, sliding-window layers with
 their own rotary table. It agrees with transformers' forward, and greedy tree decoding equals plain
 decoding token for token on torch's ops and through the kernel library's whole-layer decoder,
@@ -6,7 +6,14 @@ with prompts longer than the window."""
 
 import pytest
 import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from core.backends import lean as fast
 from core.backends.lean.layer import window_mask
@@ -19,7 +26,7 @@ from tests.helpers import FAST_KERNELS, OracleDrafter, plain_tokens, require_ker
 
 VOCAB, WINDOW = 96, 8
 PROMPT = [1, 17, 33, 5, 60, 2, 41, 9, 70, 12, 3, 88, 45, 6]  # longer than the window
-FAMILIES = ("qwen3", "gemma3")
+FAMILIES = ("qwen3", "gemma3", "mistral")
 
 
 def tiny(family: str, seed: int = 0):
@@ -38,6 +45,9 @@ def tiny(family: str, seed: int = 0):
     )
     if family == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common, num_hidden_layers=2, tie_word_embeddings=False))
+    elif family == "mistral":  # a window on every layer, as Mistral-7B v0.1's config sets it
+        config = MistralConfig(**common, num_hidden_layers=2, sliding_window=WINDOW, tie_word_embeddings=False)
+        model = MistralForCausalLM(config)
     else:
         config = Gemma3TextConfig(
             **common,
@@ -71,6 +81,8 @@ def test_the_families_are_served_by_the_lean_forward(family):
     assert fast.servable(model.config)
     backend = lean(family, "dense")
     assert backend.describe().startswith("lean")
+    if family == "mistral":
+        assert [one.window for one in backend.forward.layers] == [WINDOW, WINDOW]
     if family == "gemma3":
         layers = backend.forward.layers
         assert [one.window for one in layers] == [WINDOW, 0, WINDOW]

@@ -44,6 +44,8 @@ class LeanLayer:
         self.index = index
         types = getattr(config, "layer_types", None)
         self.kind = types[index] if types and index < len(types) else "full_attention"
+        if not types and config.model_type == "mistral" and getattr(config, "sliding_window", None):
+            self.kind = "sliding_attention"  # Mistral's window, where set, is every layer's (transformers' mask)
         sliding = self.kind == "sliding_attention" and getattr(config, "sliding_window", None)
         self.window = int(config.sliding_window) if sliding else 0
         scalar = getattr(config, "query_pre_attn_scalar", None)
