@@ -196,15 +196,22 @@ def cpu_choice(config: object | None, dtype: str | None, int4: bool) -> kernels.
     return kernels.choose(hidden, inner, dtype, int4, cache_dir() / "cpu-kernels.json")
 
 
-def estimate_gb(config: object, dtype: torch.dtype, quantization: str) -> float:
-    """Memory of the weights once loaded: linear layers at the quantized width, the rest at dtype."""
+INT4_WIDTH = 0.625  # bytes a weight in the int4 kernels' layout: 4 bits, a float16 step and minimum per 32
+HEAD_COPY = {"q8": 1.1875, "q4": INT4_WIDTH, "int4": INT4_WIDTH, "onednn": 2.0}  # a packed lm_head's copy,
+# bytes a weight, kept beside the weight itself (the embedding, or what Medusa heads read); "dense": none
+
+
+def estimate_gb(config: object, dtype: torch.dtype, quantization: str, head_kernel: str | None = None) -> float:
+    """Memory of the weights once loaded: linear layers at the quantized width, the rest at dtype,
+    and on the lean CPU forward the lm_head's packed copy (`head_kernel`, the kernel chosen for it)."""
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config)
     output = meta.get_output_embeddings()
     linear = sum(m.weight.numel() for m in meta.modules() if isinstance(m, torch.nn.Linear) and m is not output)
     total = sum(p.numel() for p in meta.parameters())
-    width = {"nf4": 0.53, "int8": 1.0, "int4": 0.56}.get(quantization, torch.finfo(dtype).bits / 8)
-    return (linear * width + (total - linear) * torch.finfo(dtype).bits / 8) / 2**30
+    width = {"nf4": 0.53, "int8": 1.0, "int4": INT4_WIDTH}.get(quantization, torch.finfo(dtype).bits / 8)
+    copy = output.weight.numel() * HEAD_COPY.get(head_kernel, 0.0) if output is not None else 0.0
+    return (linear * width + (total - linear) * torch.finfo(dtype).bits / 8 + copy) / 2**30
 
 
 def load_backbone(
@@ -242,11 +249,12 @@ def load_backbone(
     if quant in ("nf4", "int8", "pre-quantized"):
         options["device_map"] = device_map(dev)
     if quant != "pre-quantized":
+        head = choice.head_kernel if choice is not None else None
         label = {"nf4": "4-bit nf4", "int8": "8-bit", "int4": "4-bit int4"}.get(
             quant, str(torch_dtype).removeprefix("torch.")
         )
         print(
-            f"Loading {spec.name} ({label}): about {estimate_gb(config, torch_dtype, quant):.1f} GB of memory.",
+            f"Loading {spec.name} ({label}): about {estimate_gb(config, torch_dtype, quant, head):.1f} GB of memory.",
             file=sys.stderr,
         )
     try:

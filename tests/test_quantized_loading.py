@@ -128,3 +128,35 @@ def test_the_stock_peer_of_a_cpu_model_is_one_full_copy_per_dtype(tiny):
     peers, skipped = stock.stock_peers(backbone, {"hf": torch.float32, "hf-bf16": torch.bfloat16})
     assert skipped == [] and peers["hf"].dtype == torch.float32 and peers["hf-bf16"].dtype == torch.bfloat16
     assert not hasattr(peers["hf"].config, "quantization_config")  # the CPU's stock reference: full precision
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_memory_printed_before_an_int4_load_is_what_the_packed_model_holds(tied):
+    """The estimate against the bytes of every tensor the lean backend keeps: the int4 layout's
+    4 bits and a float16 step and minimum per 32 inputs, the embedding and norms in bf16, and the
+    lm_head's packed 8-bit copy beside the weight it keeps (0.56 bytes a weight and no copy: 20-29 %
+    under at this shape)."""
+    from transformers import LlamaConfig
+
+    from core.backends import lean, q4
+    from models.loader import estimate_gb
+
+    if q4.library() is None:
+        pytest.skip(f"no kernel library here: {q4.unavailable()}")
+    config = LlamaConfig(
+        vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=tied,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    lean.accelerate(model, "q4", "q8", by_row=lambda head: False)
+    seen, held = set(), 0
+    for module in model.modules():
+        packed = getattr(module, "packed", None)
+        tensors = [packed.w, packed.d, packed.m] if isinstance(packed, q4.Packed) else []
+        tensors += [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
+        for t in tensors:
+            if t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                held += t.untyped_storage().nbytes()
+    estimate = estimate_gb(config, torch.bfloat16, "int4", "q8") * 2**30
+    assert abs(estimate - held) < 0.05 * held
