@@ -167,7 +167,7 @@ class GgufFile:
         library runs."""
         kinds = [self.table[self.by_name[n]].kind.name for n in names if n in self.by_name]
         wide = sum(kind in WIDE for kind in kinds)
-        four_bit = kernel in ("q4", "int4") and (kernel == "q4" or q4.library() is not None)
+        four_bit = kernel in ("q4", "int4") and q4.library() is not None
         return "q8" if four_bit and kinds and wide > len(kinds) / 2 else kernel
 
     def close(self) -> None:

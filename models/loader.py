@@ -196,11 +196,6 @@ def cpu_choice(config: object | None, dtype: str | None, int4: bool) -> kernels.
     return kernels.choose(hidden, inner, dtype, int4, cache_dir() / "cpu-kernels.json")
 
 
-INT4_WIDTH = 0.625  # bytes a weight in the int4 kernels' layout: 4 bits, a float16 step and minimum per 32
-HEAD_COPY = {"q8": 1.1875, "q4": INT4_WIDTH, "int4": INT4_WIDTH, "onednn": 2.0}  # a packed lm_head's copy,
-# bytes a weight, kept beside the weight itself (the embedding, or what Medusa heads read); "dense": none
-
-
 def estimate_gb(config: object, dtype: torch.dtype, quantization: str, head_kernel: str | None = None) -> float:
     """Memory of the weights once loaded: linear layers at the quantized width, the rest at dtype,
     and on the lean CPU forward the lm_head's packed copy (`head_kernel`, the kernel chosen for it)."""
@@ -209,9 +204,12 @@ def estimate_gb(config: object, dtype: torch.dtype, quantization: str, head_kern
     output = meta.get_output_embeddings()
     linear = sum(m.weight.numel() for m in meta.modules() if isinstance(m, torch.nn.Linear) and m is not output)
     total = sum(p.numel() for p in meta.parameters())
-    width = {"nf4": 0.53, "int8": 1.0, "int4": INT4_WIDTH}.get(quantization, torch.finfo(dtype).bits / 8)
-    copy = output.weight.numel() * HEAD_COPY.get(head_kernel, 0.0) if output is not None else 0.0
-    return (linear * width + (total - linear) * torch.finfo(dtype).bits / 8 + copy) / 2**30
+    full = torch.finfo(dtype).bits / 8
+    width = {"nf4": 0.53, "int8": 1.0, "int4": q4.bytes_per_weight(4)}.get(quantization, full)
+    # the lm_head's packed copy, kept beside its weight (the embedding, or what Medusa heads read); "dense": none
+    copy_width = {"q8": q4.bytes_per_weight(8), "onednn": full}.get(head_kernel, 0.0)
+    copy = output.weight.numel() * copy_width if output is not None else 0.0
+    return (linear * width + (total - linear) * full + copy) / 2**30
 
 
 def load_backbone(

@@ -230,6 +230,12 @@ def fits(out_features: int, in_features: int) -> bool:
     return out_features % TILE == 0 and in_features % GROUP == 0
 
 
+def bytes_per_weight(bits: int) -> float:
+    """Memory of one weight in `Packed`'s layout: 4 bits and a float16 step and minimum per group,
+    or 8 bits, a float16 step and an int32 correction per group."""
+    return 0.5 + 4 / GROUP if bits == 4 else 1 + 6 / GROUP
+
+
 class Packed:
     """One weight in the kernel's layout (4 bits: GGUF Q4_1's form; 8 bits: Q8_0's), with the C
     descriptor that points at it. `variant`: the kernel variant that will run it (8-bit weights

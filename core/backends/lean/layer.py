@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from core.backends import q4
 from core.backends.lean.kv import StaticKV
 from core.backends.lean.rope import rotate
+from core.backends.torch import windows
 
 ACTS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}  # the MLP gates served
 _ACT_NAMES = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # config names → ACTS
@@ -44,10 +45,8 @@ class LeanLayer:
         self.index = index
         types = getattr(config, "layer_types", None)
         self.kind = types[index] if types and index < len(types) else "full_attention"
-        if not types and config.model_type == "mistral" and getattr(config, "sliding_window", None):
-            self.kind = "sliding_attention"  # Mistral's window, where set, is every layer's (transformers' mask)
-        sliding = self.kind == "sliding_attention" and getattr(config, "sliding_window", None)
-        self.window = int(config.sliding_window) if sliding else 0
+        slides = windows(config) or {}  # as transformers' forward masks: by layer type, or "" for every layer (Mistral)
+        self.window = slides.get(self.kind if types else "", 0)
         scalar = getattr(config, "query_pre_attn_scalar", None)
         self.scale = None if scalar is None else float(scalar) ** -0.5  # None: head_dim^-0.5
         self.act = act_name(config) or "silu"
