@@ -155,14 +155,15 @@ def ops_or_skip(variant: str) -> q4.Ops:
 
 
 @pytest.mark.parametrize("variant", ["avx512-vnni", "avx2"])
-def test_attention_matches_torch_and_a_tree_node_equals_a_one_token_step(variant):
-    """GQA (6 heads on 2 kv heads) with a tree mask against torch's sdpa; then node 3 of the tree,
-    whose ancestors sit at scattered slots, against a one-token step over the same keys laid out
-    as an accepted path (prefix, then its ancestors in order): the same bits."""
+@pytest.mark.parametrize("heads, kv, d, past", [(6, 2, 32, 37), (9, 3, 64, 1001), (4, 1, 48, 150), (8, 2, 128, 300)])
+def test_attention_matches_torch_and_a_tree_node_equals_a_one_token_step(variant, heads, kv, d, past):
+    """GQA with a tree mask against torch's sdpa (head sizes whose vectors split unevenly, query
+    counts a kv head that are not multiples of the kernel's groups, prefixes of odd lengths); then
+    node 3 of the tree, whose ancestors sit at scattered slots, against a one-token step over the
+    same keys laid out as an accepted path (prefix, then its ancestors in order): the same bits."""
     ops = ops_or_skip(variant)
     gen = torch.Generator().manual_seed(5)
-    heads, kv, d, past = 6, 2, 32, 37
-    parents = [-1, 0, 0, 1, 1, 2]  # a tree of 6 nodes after a prefix of 37 keys
+    parents = [-1, 0, 0, 1, 1, 2]  # a tree of 6 nodes after the prefix
     t, length = len(parents), past + len(parents)
     seen = torch.zeros(t, length, dtype=torch.bool)
     seen[:, :past] = True
@@ -171,8 +172,8 @@ def test_attention_matches_torch_and_a_tree_node_equals_a_one_token_step(variant
         while parent >= 0:
             seen[node, past + parent], parent = True, parents[parent]
     mask = torch.zeros(t, length).masked_fill(~seen, torch.finfo(torch.bfloat16).min).to(torch.bfloat16)
-    keys = torch.randn(kv, 64, d, generator=gen).to(torch.bfloat16)
-    values = torch.randn(kv, 64, d, generator=gen).to(torch.bfloat16)
+    keys = torch.randn(kv, length + 20, d, generator=gen).to(torch.bfloat16)
+    values = torch.randn(kv, length + 20, d, generator=gen).to(torch.bfloat16)
     q = torch.randn(t, heads, d, generator=gen).to(torch.bfloat16)
     got = ops.attention(q, keys, values, length, mask).view(t, heads, d)
     want = torch.nn.functional.scaled_dot_product_attention(

@@ -8,144 +8,170 @@
 
 static inline float bf(uint16_t b) { return bf16_to_float(b); }
 
-/* The two hot loops of attention in explicit vectors, for head sizes the vector width divides.
- * scores: s[m·padded + jj] = q_m · key jj for the KEYS keys of a block (rows of `block`), each
- * dot product as one vector of partial sums that a butterfly over the block's keys then adds up:
- * every key's lanes are added in the same pattern whatever its slot. values: acc_m += p_m[jj] ·
- * value jj and total_m += p_m[jj], key after key. */
+/* Attention's loops in explicit vectors (W lanes: 8 for T256, 16 for T512), head sizes a
+ * multiple of HEAD_STEP. Keys and values are read as bf16 and widened in registers; each score
+ * is one query's dot product with one key: a product, then fused adds over the head's vectors
+ * in order, its lanes then added in one fixed pattern (REDUCE4, four keys at a time, every key
+ * alike); each weighted value a chain of fused adds over the keys in order. A query's bits thus
+ * depend on its own q and the keys it sees, not on the queries it is grouped with nor on the
+ * slots of the keys it does not see (their weights are an exact 0). */
 #define ALWAYS static inline __attribute__((always_inline))
+#define GROUP_Q 3 /* queries whose scores and weighted values are made together (registers) */
 
-/* r[jj] (jj < W) = the lane-wise partial sums of q · key jj over the head (d = W·D floats a
- * row), for the keys at `keys`: one product, then D - 1 fused adds, the same for every key. */
-#define PARTIALS(P, W, r, q, keys)                                                                                   \
-  for (int jj = 0; jj < W; jj++) {                                                                                   \
-    const float *kj = (keys) + jj * d;                                                                               \
-    r[jj] = P##_mul_ps(P##_loadu_ps(q), P##_loadu_ps(kj));                                                           \
-    for (int64_t c = 1; c < D; c++) r[jj] = P##_fmadd_ps(P##_loadu_ps((q) + W * c), P##_loadu_ps(kj + W * c), r[jj]); \
-  }
+#define LOAD_BF256(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define LOAD_BF512(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+/* Four 8-lane partial sums → their four sums, each ((l0+l4) + (l1+l5)) + ((l2+l6) + (l3+l7)). */
+#define REDUCE4_256(r0, r1, r2, r3)                                                                                  \
+  ({                                                                                                                 \
+    __m256 x0 = _mm256_add_ps(_mm256_permute2f128_ps(r0, r1, 0x20), _mm256_permute2f128_ps(r0, r1, 0x31));         \
+    __m256 x1 = _mm256_add_ps(_mm256_permute2f128_ps(r2, r3, 0x20), _mm256_permute2f128_ps(r2, r3, 0x31));         \
+    __m256 y = _mm256_hadd_ps(x0, x1), z = _mm256_hadd_ps(y, y);                                                     \
+    _mm_unpacklo_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1));                                         \
+  })
+/* 16 lanes: lane i and lane i + 8 added first, then as above. */
+#define FOLD512(r) _mm256_add_ps(_mm512_castps512_ps256(r), _mm512_extractf32x8_ps(r, 1))
+#define REDUCE4_512(r0, r1, r2, r3) REDUCE4_256(FOLD512(r0), FOLD512(r1), FOLD512(r2), FOLD512(r3))
 
-T512 ALWAYS void scores512_d(int64_t n, int64_t D, const float *qf, const float *block, float *s, int64_t padded) {
-  static const int order[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
-  const __m512i back = _mm512_loadu_si512(order);
-  int64_t d = 16 * D;
-  for (int64_t m = 0; m < n; m++) {
-    __m512 r[16], w[8];
-    const float *qm = qf + m * d;
-    PARTIALS(_mm512, 16, r, qm, block);
-    for (int i = 0; i < 8; i++)
-      w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r[i], r[i + 8], 0x44), _mm512_shuffle_f32x4(r[i], r[i + 8], 0xEE));
-    for (int i = 0; i < 4; i++)
-      w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[i], w[i + 4], 0x88), _mm512_shuffle_f32x4(w[i], w[i + 4], 0xDD));
-    for (int i = 0; i < 2; i++)
-      w[i] = _mm512_add_ps(_mm512_shuffle_ps(w[i], w[i + 2], 0x44), _mm512_shuffle_ps(w[i], w[i + 2], 0xEE));
-    __m512 z = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
-    _mm512_storeu_ps(s + m * padded, _mm512_permutexvar_ps(back, z));
-  }
-}
-
-T512 static void scores512(int64_t n, int64_t d, const float *qf, const float *block, float *s, int64_t padded) {
-  if (d == 64)
-    scores512_d(n, 4, qf, block, s, padded);
-  else if (d == 128)
-    scores512_d(n, 8, qf, block, s, padded);
-  else
-    scores512_d(n, d / 16, qf, block, s, padded);
-}
-
-/* The same for 8 lanes: KEYS keys as two butterflies of 8. */
-T256 ALWAYS void scores256_d(int64_t n, int64_t D, const float *qf, const float *block, float *s, int64_t padded) {
-  int64_t d = 8 * D;
-  for (int64_t m = 0; m < n; m++)
-    for (int half = 0; half < 2; half++) {
-      __m256 r[8];
-      const float *qm = qf + m * d;
-      PARTIALS(_mm256, 8, r, qm, block + 8 * half * d);
-      for (int i = 0; i < 4; i++)
-        r[i] = _mm256_add_ps(_mm256_permute2f128_ps(r[i], r[i + 4], 0x20), _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
-      for (int i = 0; i < 2; i++)
-        r[i] = _mm256_add_ps(_mm256_shuffle_ps(r[i], r[i + 2], 0x44), _mm256_shuffle_ps(r[i], r[i + 2], 0xEE));
-      __m256 z = _mm256_add_ps(_mm256_shuffle_ps(r[0], r[1], 0x88), _mm256_shuffle_ps(r[0], r[1], 0xDD));
-      _mm256_storeu_ps(s + m * padded + 8 * half, _mm256_shuffle_ps(z, z, 0xD8));
-    }
-}
-
-T256 static void scores256(int64_t n, int64_t d, const float *qf, const float *block, float *s, int64_t padded) {
-  if (d == 64)
-    scores256_d(n, 8, qf, block, s, padded);
-  else
-    scores256_d(n, d / 8, qf, block, s, padded);
-}
-
-/* values: for each query m, acc_m += p_m[jj] · value jj and total_m += p_m[jj], key after key
- * (`stop` keys of a block), W lanes a vector (P: the intrinsics' prefix). */
-#define VALUES(NAME, TARGET, VEC, W, P)                                                                              \
-  TARGET ALWAYS void NAME##_d(int64_t n, int64_t D, int64_t stop, const float *p, int64_t padded, const float *block, \
-                              float *acc, float *total) {                                                           \
+/* s[m·padded + j] = qf_m · key j for G queries (qf: G rows of d floats) and the keys [0, padded)
+ * (keys from `length` on read key length - 1: the caller masks them). */
+#define SCORES(NAME, TARGET, VEC, W, P, LOAD_BF, REDUCE4)                                                            \
+  TARGET ALWAYS void NAME##_g(const int G, int64_t D, const float *qf, const uint16_t *k, int64_t length,           \
+                              int64_t padded, float *s) {                                                            \
     int64_t d = W * D;                                                                                               \
-    for (int64_t m = 0; m < n; m++)                                                                                  \
-      for (int64_t c0 = 0; c0 < D; c0 += 8) { /* up to 8 vectors of a row at a time */                             \
-        int64_t width = D - c0 < 8 ? D - c0 : 8;                                                                     \
-        VEC a[8];                                                                                                    \
-        const float *pm = p + m * padded;                                                                            \
-        float tm = total[m];                                                                                         \
-        for (int64_t c = 0; c < width; c++) a[c] = P##_loadu_ps(acc + m * d + W * (c0 + c));                        \
-        for (int64_t jj = 0; jj < stop; jj++) {                                                                      \
-          VEC pj = P##_set1_ps(pm[jj]);                                                                              \
-          tm += pm[jj];                                                                                              \
-          for (int64_t c = 0; c < width; c++) a[c] = P##_fmadd_ps(pj, P##_loadu_ps(block + jj * d + W * (c0 + c)), a[c]); \
-        }                                                                                                            \
-        for (int64_t c = 0; c < width; c++) P##_storeu_ps(acc + m * d + W * (c0 + c), a[c]);                       \
-        if (c0 == 0) total[m] = tm;                                                                                  \
+    for (int64_t j0 = 0; j0 < padded; j0 += 4) {                                                                     \
+      const uint16_t *kj[4];                                                                                         \
+      for (int jj = 0; jj < 4; jj++) kj[jj] = k + (j0 + jj < length ? j0 + jj : length - 1) * d;                     \
+      VEC r[GROUP_Q][4], key[4];                                                                                     \
+      for (int jj = 0; jj < 4; jj++) key[jj] = LOAD_BF(kj[jj]);                                                      \
+      for (int m = 0; m < G; m++) {                                                                                  \
+        VEC qm = P##_loadu_ps(qf + m * d);                                                                           \
+        for (int jj = 0; jj < 4; jj++) r[m][jj] = P##_mul_ps(qm, key[jj]);                                           \
       }                                                                                                              \
+      for (int64_t c = 1; c < D; c++) {                                                                              \
+        for (int jj = 0; jj < 4; jj++) key[jj] = LOAD_BF(kj[jj] + W * c);                                            \
+        for (int m = 0; m < G; m++) {                                                                                \
+          VEC qm = P##_loadu_ps(qf + m * d + W * c);                                                                 \
+          for (int jj = 0; jj < 4; jj++) r[m][jj] = P##_fmadd_ps(qm, key[jj], r[m][jj]);                             \
+        }                                                                                                            \
+      }                                                                                                              \
+      for (int m = 0; m < G; m++) _mm_storeu_ps(s + m * padded + j0, REDUCE4(r[m][0], r[m][1], r[m][2], r[m][3]));    \
+    }                                                                                                                \
   }                                                                                                                  \
-  TARGET static void NAME(int64_t n, int64_t d, int64_t stop, const float *p, int64_t padded, const float *block,   \
-                          float *acc, float *total) { /* the common head sizes with their loops' bounds known */    \
-    if (d == 64)                                                                                                     \
-      NAME##_d(n, 64 / W, stop, p, padded, block, acc, total);                                                       \
-    else if (d == 128)                                                                                               \
-      NAME##_d(n, 128 / W, stop, p, padded, block, acc, total);                                                      \
-    else                                                                                                             \
-      NAME##_d(n, d / W, stop, p, padded, block, acc, total);                                                        \
+  TARGET static void NAME(int64_t n, int64_t d, const float *qf, const uint16_t *k, int64_t length, int64_t padded,  \
+                          float *s) {                                                                                \
+    for (int64_t m = 0; m < n; m += GROUP_Q) {                                                                       \
+      int64_t g = n - m < GROUP_Q ? n - m : GROUP_Q;                                                                 \
+      const float *qm = qf + m * d;                                                                                  \
+      float *sm = s + m * padded;                                                                                    \
+      if (g == 3)                                                                                                    \
+        NAME##_g(3, d / W, qm, k, length, padded, sm);                                                               \
+      else if (g == 2)                                                                                               \
+        NAME##_g(2, d / W, qm, k, length, padded, sm);                                                               \
+      else                                                                                                           \
+        NAME##_g(1, d / W, qm, k, length, padded, sm);                                                               \
+    }                                                                                                                \
   }
 
-VALUES(values512, T512, __m512, 16, _mm512)
-VALUES(values256, T256, __m256, 8, _mm256)
+/* For G queries: acc_m (d floats) = Σ_j p_m[j] · value j and total_m = Σ_j p_m[j], over the keys
+ * [0, length) in order; C vectors of a row at a time (the row in blocks of C), BLOCK keys at a
+ * time (their values then read again from the cache for the next C vectors). */
+#define VALUE_BLOCK 16
+#define VALUES(NAME, TARGET, VEC, W, P, LOAD_BF)                                                                     \
+  TARGET ALWAYS void NAME##_gc(const int G, const int C, int64_t d, int64_t c0, int64_t j0, int64_t stop,           \
+                               const float *p, int64_t padded, const uint16_t *v, float *acc) {                      \
+    VEC a[GROUP_Q][4];                                                                                               \
+    for (int m = 0; m < G; m++)                                                                                      \
+      for (int c = 0; c < C; c++) a[m][c] = P##_loadu_ps(acc + m * d + W * (c0 + c));                                \
+    for (int64_t j = j0; j < stop; j++) {                                                                            \
+      VEC b[GROUP_Q];                                                                                                \
+      for (int m = 0; m < G; m++) b[m] = P##_set1_ps(p[m * padded + j]);                                             \
+      for (int c = 0; c < C; c++) {                                                                                  \
+        VEC x = LOAD_BF(v + j * d + W * (c0 + c));                                                                   \
+        for (int m = 0; m < G; m++) a[m][c] = P##_fmadd_ps(b[m], x, a[m][c]);                                        \
+      }                                                                                                              \
+    }                                                                                                                \
+    for (int m = 0; m < G; m++)                                                                                      \
+      for (int c = 0; c < C; c++) P##_storeu_ps(acc + m * d + W * (c0 + c), a[m][c]);                               \
+  }                                                                                                                  \
+  TARGET ALWAYS void NAME##_g(const int G, int64_t d, int64_t length, const float *p, int64_t padded,               \
+                              const uint16_t *v, float *acc, float *total) {                                         \
+    int64_t D = d / W;                                                                                               \
+    float t[GROUP_Q] = {0.0f, 0.0f, 0.0f};                                                                           \
+    for (int64_t j = 0; j < length; j++) /* the queries' sums side by side: independent chains */                  \
+      for (int m = 0; m < G; m++) t[m] += p[m * padded + j];                                                         \
+    for (int m = 0; m < G; m++) {                                                                                    \
+      total[m] = t[m];                                                                                               \
+      for (int64_t i = 0; i < d; i++) acc[m * d + i] = 0.0f;                                                         \
+    }                                                                                                                \
+    for (int64_t j0 = 0; j0 < length; j0 += VALUE_BLOCK) {                                                           \
+      int64_t stop = length - j0 < VALUE_BLOCK ? length : j0 + VALUE_BLOCK;                                          \
+      int64_t c0 = 0;                                                                                                \
+      for (; c0 + 4 <= D; c0 += 4) NAME##_gc(G, 4, d, c0, j0, stop, p, padded, v, acc);                              \
+      for (; c0 < D; c0++) NAME##_gc(G, 1, d, c0, j0, stop, p, padded, v, acc);                                      \
+    }                                                                                                                \
+  }                                                                                                                  \
+  TARGET static void NAME(int64_t n, int64_t d, int64_t length, const float *p, int64_t padded, const uint16_t *v,   \
+                          float *acc, float *total) {                                                                \
+    for (int64_t m = 0; m < n; m += GROUP_Q) {                                                                       \
+      int64_t g = n - m < GROUP_Q ? n - m : GROUP_Q;                                                                 \
+      if (g == 3)                                                                                                    \
+        NAME##_g(3, d, length, p + m * padded, padded, v, acc + m * d, total + m);                                   \
+      else if (g == 2)                                                                                               \
+        NAME##_g(2, d, length, p + m * padded, padded, v, acc + m * d, total + m);                                   \
+      else                                                                                                           \
+        NAME##_g(1, d, length, p + m * padded, padded, v, acc + m * d, total + m);                                   \
+    }                                                                                                                \
+  }
+
+/* x ← e^x lane by lane for x <= 0 (exp_neg's method: 2^n · a polynomial in the remainder). */
+#define EXPS(NAME, TARGET, VEC, VECI, W, P, PI, ROUND, CAST)                                                               \
+  TARGET static void NAME(int64_t count, float *x) {                                                                 \
+    for (int64_t j = 0; j < count; j += W) {                                                                         \
+      VEC y = P##_max_ps(P##_loadu_ps(x + j), P##_set1_ps(-87.0f));                                                  \
+      VEC n = ROUND(P##_mul_ps(y, P##_set1_ps(1.44269504f)));                                                        \
+      VEC r = P##_fnmadd_ps(n, P##_set1_ps(0.693359375f), y);                                                        \
+      r = P##_fmadd_ps(n, P##_set1_ps(2.12194440e-4f), r);                                                           \
+      VEC e = P##_set1_ps(1.9875691500e-4f);                                                                         \
+      e = P##_fmadd_ps(e, r, P##_set1_ps(1.3981999507e-3f));                                                         \
+      e = P##_fmadd_ps(e, r, P##_set1_ps(8.3334519073e-3f));                                                         \
+      e = P##_fmadd_ps(e, r, P##_set1_ps(4.1665795894e-2f));                                                         \
+      e = P##_fmadd_ps(e, r, P##_set1_ps(1.6666665459e-1f));                                                         \
+      e = P##_fmadd_ps(e, r, P##_set1_ps(5.0000001201e-1f));                                                         \
+      e = P##_fmadd_ps(P##_mul_ps(e, r), r, P##_add_ps(r, P##_set1_ps(1.0f)));                                       \
+      VECI bits = PI##_slli_epi32(PI##_add_epi32(P##_cvtps_epi32(n), PI##_set1_epi32(127)), 23);                     \
+      P##_storeu_ps(x + j, P##_mul_ps(e, CAST(bits)));                                                \
+    }                                                                                                                \
+  }
+
+#define ROUND256(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define ROUND512(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+SCORES(scores512, T512, __m512, 16, _mm512, LOAD_BF512, REDUCE4_512)
+SCORES(scores256, T256, __m256, 8, _mm256, LOAD_BF256, REDUCE4_256)
+VALUES(values512, T512, __m512, 16, _mm512, LOAD_BF512)
+VALUES(values256, T256, __m256, 8, _mm256, LOAD_BF256)
+EXPS(exps512, T512, __m512, __m512i, 16, _mm512, _mm512, ROUND512, _mm512_castsi512_ps)
+EXPS(exps256, T256, __m256, __m256i, 8, _mm256, _mm256, ROUND256, _mm256_castsi256_ps)
 
 /* Attention of up to QUERIES queries that share a kv head, against keys and values [0, length).
- * Each score is one query's dot product with one key over d, made by the same instructions
- * whatever slot the key has or which other queries are in the call; softmax weights then sum
- * over the keys in order, and a key a query does not see adds an exact 0: a tree's node and a
- * one-token step that see the same keys get the same bits. Keys before `open` are seen by every
- * query; from there on mask[m][j] says (0: seen). The work is proportional to the queries (a
- * one-token step's 3 queries do not pay for 16 lanes). work: ATTEND_WORK(n, d, length) floats. */
+ * Softmax weights are e^(score - the query's top score), 0 for a key it does not see; keys
+ * before `open` are seen by every query, from there on mask[m][j] says (0: seen). The work is
+ * proportional to the queries (a one-token step's 3 queries do not pay for 16 lanes).
+ * work: ATTEND_WORK(n, d, length) floats. */
 #define QUERIES 48 /* the most queries one pass over a kv head's keys and values serves */
-#define SPLIT 4     /* the fewest queries a block is split down to, to share out the blocks */
 #define HEAD_STEP 16 /* head sizes must be multiples of this (core/q4.py HEAD_STEP) */
 #define KEYS 16
 #define PADDED(length) (((length) + KEYS - 1) / KEYS * KEYS)
-#define ATTEND_WORK(n, d, length) ((n) * (2 * (d) + PADDED(length) + 1) + KEYS * (d))
-#define ATTEND(NAME, SCORES, VALUES, TARGET)                                                                         \
+#define ATTEND_WORK(n, d, length) ((n) * (2 * (d) + PADDED(length) + 1))
+#define ATTEND(NAME, SCORES, VALUES, EXPS, TARGET)                                                                   \
   TARGET static void NAME(int64_t n, int64_t d, const uint16_t *const *q, const uint16_t *k, const uint16_t *v,      \
                           int64_t length, int64_t open, const uint16_t *const *mask, float scale, float *work,       \
                           uint16_t *const *out) {                                                                    \
     int64_t padded = PADDED(length);                                                                                 \
     float *qf = work, *acc = qf + n * d, *scores = acc + n * d, *total = scores + n * padded;                        \
-    float *block = total + n;                                                                                        \
     for (int64_t m = 0; m < n; m++) {                                                                                \
       _Pragma("omp simd") for (int64_t i = 0; i < d; i++) qf[m * d + i] = bf(q[m][i]) * scale;                       \
     }                                                                                                                \
-    for (int64_t j0 = 0; j0 < padded; j0 += KEYS) { /* scores, KEYS keys at a time */                                \
-      for (int64_t jj = 0; jj < KEYS; jj++) {                                                                        \
-        const uint16_t *kj = k + (j0 + jj) * d;                                                                      \
-        float *bj = block + jj * d;                                                                                  \
-        if (j0 + jj < length) {                                                                                      \
-          _Pragma("omp simd") for (int64_t i = 0; i < d; i++) bj[i] = bf(kj[i]);                                     \
-        } else {                                                                                                     \
-          for (int64_t i = 0; i < d; i++) bj[i] = 0.0f;                                                              \
-        }                                                                                                            \
-      }                                                                                                              \
-      SCORES(n, d, qf, block, scores + j0, padded);                                                                  \
-    }                                                                                                                \
+    SCORES(n, d, qf, k, length, padded, scores);                                                                     \
     for (int64_t m = 0; m < n; m++) { /* softmax weights, unnormalized */                                            \
       float *sm = scores + m * padded, top = -INFINITY;                                                              \
       if (mask[m])                                                                                                   \
@@ -153,31 +179,22 @@ VALUES(values256, T256, __m256, 8, _mm256)
           if ((mask[m][j] & 0x7fff) != 0) sm[j] = -INFINITY;                                                         \
       for (int64_t j = length; j < padded; j++) sm[j] = -INFINITY;                                                   \
       _Pragma("omp simd reduction(max : top)") for (int64_t j = 0; j < padded; j++) top = sm[j] > top ? sm[j] : top; \
-      for (int64_t j0 = 0; j0 < padded; j0 += KEYS) {                                                                \
-        _Pragma("omp simd") for (int64_t l = 0; l < KEYS; l++) {                                                     \
-          float x = sm[j0 + l];                                                                                      \
-          sm[j0 + l] = x == -INFINITY ? 0.0f : exp_neg(x - top);                                                     \
-        }                                                                                                            \
-      }                                                                                                              \
-      total[m] = 0.0f;                                                                                               \
-      for (int64_t i = 0; i < d; i++) acc[m * d + i] = 0.0f;                                                         \
+      _Pragma("omp simd") for (int64_t j = 0; j < padded; j++) sm[j] -= top;                                         \
+      EXPS(padded, sm);                                                                                              \
+      if (mask[m])                                                                                                   \
+        for (int64_t j = open; j < length; j++)                                                                      \
+          if ((mask[m][j] & 0x7fff) != 0) sm[j] = 0.0f;                                                              \
+      for (int64_t j = length; j < padded; j++) sm[j] = 0.0f;                                                        \
     }                                                                                                                \
-    for (int64_t j0 = 0; j0 < length; j0 += KEYS) { /* weighted values, key by key in order */                       \
-      int64_t stop = length - j0 < KEYS ? length - j0 : KEYS;                                                        \
-      for (int64_t jj = 0; jj < stop; jj++) {                                                                        \
-        const uint16_t *vj = v + (j0 + jj) * d;                                                                      \
-        _Pragma("omp simd") for (int64_t i = 0; i < d; i++) block[jj * d + i] = bf(vj[i]);                           \
-      }                                                                                                              \
-      VALUES(n, d, stop, scores + j0, padded, block, acc, total);                                                    \
-    }                                                                                                                \
+    VALUES(n, d, length, scores, padded, v, acc, total);                                                             \
     for (int64_t m = 0; m < n; m++) {                                                                                \
       float inv = 1.0f / total[m];                                                                                   \
       for (int64_t i = 0; i < d; i++) out[m][i] = float_to_bf16(acc[m * d + i] * inv);                               \
     }                                                                                                                \
   }
 
-ATTEND(attend512, scores512, values512, T512)
-ATTEND(attend256, scores256, values256, T256)
+ATTEND(attend512, scores512, values512, exps512, T512)
+ATTEND(attend256, scores256, values256, exps256, T256)
 
 /* out (t × heads × d) for queries q (t × heads × d, row stride ldq) against keys and values
  * (kv_heads × capacity × d, the first `length` used); query head h reads kv head h / (heads /
@@ -188,11 +205,11 @@ ATTEND(attend256, scores256, values256, T256)
 int q4_attend(int isa, int threads, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, int64_t length,
                      const uint16_t *q, int64_t ldq, const uint16_t *k, const uint16_t *v, int64_t capacity,
                      const uint16_t *mask, int64_t ldm, int64_t open, float scale, uint16_t *out) {
-  /* Each block of queries reads and converts its kv head's keys and values once, so blocks are
-   * as large as QUERIES allows, and as many as give every thread the same number of them, while
-   * a block keeps SPLIT queries (a one-token step's 3 would pay the conversion twice for nothing). */
+  /* Each block of queries reads its kv head's keys and values once, so blocks are as large as
+   * QUERIES allows, and as many as give every thread the same number of them (a one-token step's
+   * 3 queries a kv head split 2 + 1 on two threads: the second block finds the keys in cache). */
   int64_t group = heads / kv_heads, queries = t * group, per = (queries + QUERIES - 1) / QUERIES;
-  while ((kv_heads * per) % threads && (queries + per) / (per + 1) >= SPLIT) per++;
+  while ((kv_heads * per) % threads && per < queries) per++;
   int64_t size = (queries + per - 1) / per, blocks = (queries + size - 1) / size;
   int failed = 0;
 #pragma omp parallel num_threads(threads) if (t * heads * length >= 1024)
