@@ -442,3 +442,35 @@ def test_generate_fetches_a_published_eagle_checkpoint_from_the_hub_and_decodes_
     ours = json.loads(run.stdout)["samples"][0]["token_ids"]
     assert ours == generate_json(*common, "--mode", "baseline")["samples"][0]["token_ids"]
     assert (tmp_path / "cache" / "models--tiny-org--eagle-smol").is_dir()
+
+
+def test_the_draft_layer_sees_a_window_of_the_last_positions():
+    """Past its window the draft layer runs only the last rows of a long prompt: its first tree is
+    the one a draft fed those rows alone (at their positions) makes; a reply drafted through a
+    sliding window still equals plain greedy decoding; a rewind before the window restarts it."""
+    model = tiny_model("llama")
+    seq = _sequence(model, 20)
+    with torch.inference_mode():
+        windowed = EagleDrafter(_draft(model), torch.float32, lookup=False, budget=4)
+        windowed.window = 4
+        windowed.rewind(seq.ids[:15].tolist(), 0)  # a new reply to this prompt (token 0 known)
+        windowed.feed(seq.features[:14], seq.ids[1:15], 0)
+        got = windowed.propose(seq.features[13], seq.ids[14], seq.ids[:15].tolist())
+        assert (windowed.offset, windowed.cache.length) == (10, 4)
+        alone = EagleDrafter(_draft(model), torch.float32, lookup=False, budget=4)
+        alone.offset = 10
+        alone.feed(seq.features[10:14], seq.ids[11:15], 10)
+        want = alone.propose(seq.features[13], seq.ids[14], seq.ids[:15].tolist())
+        assert got.tokens.tolist() == want.tokens.tolist() and got.tree.size == 5
+        assert windowed.rewind(seq.ids[:7].tolist() + [999, 999], 6) == 6  # parts at 7, before the window
+        assert (windowed.offset, windowed.cache.length) == (6, 0)
+        windowed.feed(seq.features[6:9], seq.ids[7:10], 6)
+        assert windowed.propose(seq.features[8], seq.ids[9], []).tree.size == 5
+    backend = tiny_backend("llama")
+    prompt = [5, 17, 3, 17, 9, 5, 17] * 3
+    reference = plain_tokens(backend, prompt, 40)
+    drafter = EagleDrafter(_draft(backend.model), backend.model.dtype, budget=6)
+    drafter.window = 4
+    events, done = collect(stream(backend, prompt, DecodeSettings(max_new_tokens=40), drafter))
+    assert list(done.token_ids) == reference and max(e.tree_size for e in events) > 1
+    assert drafter.offset > 0 and drafter.cache.length <= 2 * drafter.window

@@ -47,3 +47,13 @@ class StaticKV:
             self.keys[:, :, prefix_len:end] = self.keys[:, :, keep]
             self.values[:, :, prefix_len:end] = self.values[:, :, keep]
         self.length = end
+
+    def drop_front(self, count: int) -> None:
+        """Drop the first `count` entries, the rest moved to the front (their keys keep the
+        rotations of the positions they were made at)."""
+        count = min(count, self.length)
+        if count:
+            rest = self.length - count
+            self.keys[:, :, :rest] = self.keys[:, :, count : self.length].clone()
+            self.values[:, :, :rest] = self.values[:, :, count : self.length].clone()
+            self.length = rest
