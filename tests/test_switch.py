@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
 import torch
 
 from core.drafters.base import NoDrafter
-from core.drafters.switch import EVERY, FIRST_GAP, MAX_GAP, TURNS, Fastest
+from core.drafters.switch import EVERY, FIRST_GAP, MAX_GAP, SHARE, TURNS, Fastest
 
 TRIAL = 2 * TURNS  # the steps of a trial between two drafters
 
@@ -119,11 +120,11 @@ def test_of_two_drafters_faster_than_the_reference_the_later_named_must_beat_the
         return lambda name: {"plain": 0.01, "heads": 0.013, "eagle": eagle}[name]
 
     close = Fastest({"heads": Fake(), "eagle": Fake(), "plain": NoDrafter()}, reference="plain")
-    ran = run(close, 3000, tokens, seconds(0.0124))
+    ran = run(close, 4000, tokens, seconds(0.0124))  # long enough for EAGLE's trials to favour it
     assert close.rate("eagle") > close.rate("heads") * 1.01  # the faster on its trials, not by enough
     assert close.leader() == "heads" and ran["heads"] > 10 * ran["eagle"]
     clear = Fastest({"heads": Fake(), "eagle": Fake(), "plain": NoDrafter()}, reference="plain")
-    ran = run(clear, 3000, tokens, seconds(0.009))
+    ran = run(clear, 4000, tokens, seconds(0.009))
     assert clear.leader() == "eagle" and ran["eagle"] > 10 * ran["heads"]
 
 
@@ -136,3 +137,19 @@ def test_trials_come_soon_when_the_best_rate_is_not_yet_trusted():
               lambda name: 0.01 if name == "plain" else 0.019)  # fmt: skip
     assert switch.rate("heads") > switch.rate("plain") and switch.leader() == "plain"
     assert ran["heads"] == 3 * TRIAL // 2  # three trials in that many steps, plain between them
+
+
+def test_a_trial_whose_turns_lose_much_is_followed_by_a_longer_gap():
+    """A drafter whose steps take 3× a plain step for one token loses 8 × 20 ms in its turns: the
+    next trial waits until that is SHARE of the time (533 plain steps), not FIRST_GAP; one that
+    loses little keeps FIRST_GAP."""
+    dear = Fastest({"eagle": Fake(), "plain": NoDrafter()}, reference="plain")
+    wait = math.ceil(TURNS * 0.02 / (SHARE * 0.01))
+    assert FIRST_GAP < wait < MAX_GAP
+    ran = run(dear, TRIAL + wait, lambda name, step: 1, lambda name: 0.01 if name == "plain" else 0.03)
+    assert ran["eagle"] == TURNS  # its turns in the first trial only
+    ran = run(dear, TRIAL, lambda name, step: 1, lambda name: 0.01 if name == "plain" else 0.03)
+    assert ran["eagle"] == TURNS  # the second trial, right after the gap
+    cheap = Fastest({"eagle": Fake(), "plain": NoDrafter()}, reference="plain")
+    ran = run(cheap, 2 * TRIAL + FIRST_GAP, lambda name, step: 1, lambda name: 0.01 if name == "plain" else 0.0101)
+    assert ran["eagle"] == 2 * TURNS

@@ -15,8 +15,10 @@ trial opens the first reply, the second follows `FIRST_GAP` steps later, and one
 another kind of conversation) takes over. A trial that leaves the same drafter ahead doubles
 the gap to the next one, up to `MAX_GAP` steps (a losing drafter's turns cost time: on a CPU
 where a plain step takes 3 ms, EAGLE's drafting alone takes about as long), and a trial that
-changes the leader brings it back to `EVERY`. Every drafter that reads the backbone's features is
-fed all of them, whichever ran, so the one switched to drafts from the whole context.
+changes the leader brings it back to `EVERY`. Whatever those rules say, a trial whose losing
+turns cost more than `SHARE` of the steps until the next one is followed by a longer gap.
+Every drafter that reads the backbone's features is fed all of them, whichever ran, so the one
+switched to drafts from the whole context.
 
 With a `reference` (plain decoding, whose steps always give one token, so its rate is known
 best), another drafter runs only once it is measured faster with confidence: its rate over
@@ -53,6 +55,8 @@ MAX_GAP = 4 * EVERY  # the gap a run of trials won by the same drafter grows to
 MEMORY = 6  # trials a drafter's rate is measured over
 EVIDENCE = 2  # trials every drafter must have run in before rates pick the one that runs
 FIRST_GAP = 32  # steps between the first trials, and while the best rate is not yet trusted
+SHARE = 0.03  # the most of the time the turns of a trial may lose against the leader: a trial
+# whose losing turns cost more is followed by a gap long enough (up to MAX_GAP) to keep it so
 CONFIDENCE = 2.0  # standard errors by which a drafter must beat the reference to replace it (at
 # 1.0, with AVX2 kernels, the heads' tree, 3 % slower than plain when it ran, won early trials)
 
@@ -171,7 +175,26 @@ class Fastest(Drafter):
                     self._gap = FIRST_GAP if self._doubt else EVERY
                 else:
                     self._gap = min(2 * self._gap, MAX_GAP) if kept else EVERY
+                self._gap = max(self._gap, self._costly_gap(leader))
         self.drafters[self.active].observe(draft, emitted, seconds)
+
+    def _costly_gap(self, leader: str) -> int:
+        """The steps after a trial that keep what its losing turns cost within `SHARE` of the time:
+        the seconds each other drafter's turns took beyond what the leader's rate in the same
+        trial would have made their tokens in (none where they gained), over SHARE × the leader's
+        step time; at most MAX_GAP. Where no tree pays (AVX2 kernels: EAGLE's turns took 2-4× a
+        plain step for 1-2 tokens), trials 32 steps apart cost the default ~10 % of its speed."""
+        turns = self.trials[leader][-1] if self.trials[leader] else []
+        seconds = sum(s for _, s in turns)
+        if seconds <= 0:
+            return 0
+        rate = sum(t for t, _ in turns) / seconds
+        lost = sum(
+            max(0.0, sum(s - t / rate for t, s in self.trials[name][-1]))
+            for name in self._names
+            if name != leader and self.trials[name]
+        )
+        return min(MAX_GAP, math.ceil(lost / (SHARE * seconds / len(turns))))
 
     @property
     def last_choice(self) -> Choice | None:
