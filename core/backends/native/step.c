@@ -32,13 +32,15 @@ static inline float bf(uint16_t b) { return bf16_to_float(b); }
 #define FOLD512(r) _mm256_add_ps(_mm512_castps512_ps256(r), _mm512_extractf32x8_ps(r, 1))
 #define REDUCE4_512(r0, r1, r2, r3) REDUCE4_256(FOLD512(r0), FOLD512(r1), FOLD512(r2), FOLD512(r3))
 
-/* s[m·padded + j] = qf_m · key j for G queries (qf: G rows of d floats) and the keys [0, padded)
- * (keys from `length` on read key length - 1: the caller masks them). */
+/* s[m·padded + j] = qf_m · key j for G queries (qf: G rows of d floats) and the keys [j0, j1)
+ * (keys from `length` on read key length - 1: the caller masks them). The callers go over the
+ * keys in spans of SPAN, every group of queries in turn on a span (its keys stay in cache). */
+#define SPAN 256
 #define SCORES(NAME, TARGET, VEC, W, P, LOAD_BF, REDUCE4)                                                            \
   TARGET ALWAYS void NAME##_g(const int G, int64_t D, const float *qf, const uint16_t *k, int64_t length,           \
-                              int64_t padded, float *s) {                                                            \
+                              int64_t padded, int64_t from, int64_t to, float *s) {                                  \
     int64_t d = W * D;                                                                                               \
-    for (int64_t j0 = 0; j0 < padded; j0 += 4) {                                                                     \
+    for (int64_t j0 = from; j0 < to; j0 += 4) {                                                                      \
       const uint16_t *kj[4];                                                                                         \
       for (int jj = 0; jj < 4; jj++) kj[jj] = k + (j0 + jj < length ? j0 + jj : length - 1) * d;                     \
       VEC r[GROUP_Q][4], key[4];                                                                                     \
@@ -59,22 +61,25 @@ static inline float bf(uint16_t b) { return bf16_to_float(b); }
   }                                                                                                                  \
   TARGET static void NAME(int64_t n, int64_t d, const float *qf, const uint16_t *k, int64_t length, int64_t padded,  \
                           float *s) {                                                                                \
-    for (int64_t m = 0; m < n; m += GROUP_Q) {                                                                       \
-      int64_t g = n - m < GROUP_Q ? n - m : GROUP_Q;                                                                 \
-      const float *qm = qf + m * d;                                                                                  \
-      float *sm = s + m * padded;                                                                                    \
-      if (g == 3)                                                                                                    \
-        NAME##_g(3, d / W, qm, k, length, padded, sm);                                                               \
-      else if (g == 2)                                                                                               \
-        NAME##_g(2, d / W, qm, k, length, padded, sm);                                                               \
-      else                                                                                                           \
-        NAME##_g(1, d / W, qm, k, length, padded, sm);                                                               \
+    for (int64_t from = 0; from < padded; from += SPAN) {                                                            \
+      int64_t to = padded - from < SPAN ? padded : from + SPAN;                                                      \
+      for (int64_t m = 0; m < n; m += GROUP_Q) {                                                                     \
+        int64_t g = n - m < GROUP_Q ? n - m : GROUP_Q;                                                               \
+        const float *qm = qf + m * d;                                                                                \
+        float *sm = s + m * padded;                                                                                  \
+        if (g == 3)                                                                                                  \
+          NAME##_g(3, d / W, qm, k, length, padded, from, to, sm);                                                   \
+        else if (g == 2)                                                                                             \
+          NAME##_g(2, d / W, qm, k, length, padded, from, to, sm);                                                   \
+        else                                                                                                         \
+          NAME##_g(1, d / W, qm, k, length, padded, from, to, sm);                                                   \
+      }                                                                                                              \
     }                                                                                                                \
   }
 
-/* For G queries: acc_m (d floats) = Σ_j p_m[j] · value j and total_m = Σ_j p_m[j], over the keys
- * [0, length) in order; C vectors of a row at a time (the row in blocks of C), BLOCK keys at a
- * time (their values then read again from the cache for the next C vectors). */
+/* For G queries: acc_m (d floats) += Σ_j p_m[j] · value j and total_m += Σ_j p_m[j], over the
+ * keys [from, to) in order; C vectors of a row at a time (the row in blocks of C), VALUE_BLOCK
+ * keys at a time (their values then read again from the cache for the next C vectors). */
 #define VALUE_BLOCK 16
 #define VALUES(NAME, TARGET, VEC, W, P, LOAD_BF)                                                                     \
   TARGET ALWAYS void NAME##_gc(const int G, const int C, int64_t d, int64_t c0, int64_t j0, int64_t stop,           \
@@ -93,33 +98,39 @@ static inline float bf(uint16_t b) { return bf16_to_float(b); }
     for (int m = 0; m < G; m++)                                                                                      \
       for (int c = 0; c < C; c++) P##_storeu_ps(acc + m * d + W * (c0 + c), a[m][c]);                               \
   }                                                                                                                  \
-  TARGET ALWAYS void NAME##_g(const int G, int64_t d, int64_t length, const float *p, int64_t padded,               \
+  TARGET ALWAYS void NAME##_g(const int G, int64_t d, int64_t from, int64_t to, const float *p, int64_t padded,     \
                               const uint16_t *v, float *acc, float *total) {                                         \
     int64_t D = d / W;                                                                                               \
     float t[GROUP_Q] = {0.0f, 0.0f, 0.0f};                                                                           \
-    for (int64_t j = 0; j < length; j++) /* the queries' sums side by side: independent chains */                  \
+    for (int m = 0; m < G; m++) t[m] = total[m];                                                                     \
+    for (int64_t j = from; j < to; j++) /* the queries' sums side by side: independent chains */                   \
       for (int m = 0; m < G; m++) t[m] += p[m * padded + j];                                                         \
-    for (int m = 0; m < G; m++) {                                                                                    \
-      total[m] = t[m];                                                                                               \
-      for (int64_t i = 0; i < d; i++) acc[m * d + i] = 0.0f;                                                         \
-    }                                                                                                                \
-    for (int64_t j0 = 0; j0 < length; j0 += VALUE_BLOCK) {                                                           \
-      int64_t stop = length - j0 < VALUE_BLOCK ? length : j0 + VALUE_BLOCK;                                          \
+    for (int m = 0; m < G; m++) total[m] = t[m];                                                                     \
+    for (int64_t j0 = from; j0 < to; j0 += VALUE_BLOCK) {                                                            \
+      int64_t stop = to - j0 < VALUE_BLOCK ? to : j0 + VALUE_BLOCK;                                                  \
       int64_t c0 = 0;                                                                                                \
       for (; c0 + 4 <= D; c0 += 4) NAME##_gc(G, 4, d, c0, j0, stop, p, padded, v, acc);                              \
       for (; c0 < D; c0++) NAME##_gc(G, 1, d, c0, j0, stop, p, padded, v, acc);                                      \
     }                                                                                                                \
   }                                                                                                                  \
   TARGET static void NAME(int64_t n, int64_t d, int64_t length, const float *p, int64_t padded, const uint16_t *v,   \
-                          float *acc, float *total) {                                                                \
-    for (int64_t m = 0; m < n; m += GROUP_Q) {                                                                       \
-      int64_t g = n - m < GROUP_Q ? n - m : GROUP_Q;                                                                 \
-      if (g == 3)                                                                                                    \
-        NAME##_g(3, d, length, p + m * padded, padded, v, acc + m * d, total + m);                                   \
-      else if (g == 2)                                                                                               \
-        NAME##_g(2, d, length, p + m * padded, padded, v, acc + m * d, total + m);                                   \
-      else                                                                                                           \
-        NAME##_g(1, d, length, p + m * padded, padded, v, acc + m * d, total + m);                                   \
+                          float *acc, float *total) { /* in spans of SPAN keys, as the scores */                    \
+    for (int64_t m = 0; m < n; m++) {                                                                                \
+      total[m] = 0.0f;                                                                                               \
+      for (int64_t i = 0; i < d; i++) acc[m * d + i] = 0.0f;                                                         \
+    }                                                                                                                \
+    for (int64_t from = 0; from < length; from += SPAN) {                                                            \
+      int64_t to = length - from < SPAN ? length : from + SPAN;                                                      \
+      for (int64_t m = 0; m < n; m += GROUP_Q) {                                                                     \
+        int64_t g = n - m < GROUP_Q ? n - m : GROUP_Q;                                                               \
+        const float *pm = p + m * padded;                                                                            \
+        if (g == 3)                                                                                                  \
+          NAME##_g(3, d, from, to, pm, padded, v, acc + m * d, total + m);                                           \
+        else if (g == 2)                                                                                             \
+          NAME##_g(2, d, from, to, pm, padded, v, acc + m * d, total + m);                                           \
+        else                                                                                                         \
+          NAME##_g(1, d, from, to, pm, padded, v, acc + m * d, total + m);                                           \
+      }                                                                                                              \
     }                                                                                                                \
   }
 
