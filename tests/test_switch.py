@@ -141,7 +141,7 @@ def test_trials_come_soon_when_the_best_rate_is_not_yet_trusted():
 
 def test_a_trial_whose_turns_lose_much_is_followed_by_a_longer_gap():
     """A drafter whose steps take 3× a plain step for one token loses 8 × 20 ms in its turns: the
-    next trial waits until that is SHARE of the time (533 plain steps), not FIRST_GAP; one that
+    next trial waits until that is SHARE of the time (534 plain steps), not FIRST_GAP; one that
     loses little keeps FIRST_GAP."""
     dear = Fastest({"eagle": Fake(), "plain": NoDrafter()}, reference="plain")
     wait = math.ceil(TURNS * 0.02 / (SHARE * 0.01))

@@ -8,11 +8,10 @@ the token after the root. A drafted node at depth d sits at position P + d − 1
 every committed entry, its ancestors and itself. Where a step is plain, the features still
 reach the draft's cache (lazily, in one forward when drafting resumes).
 
-The draft layer sees the last `WINDOW` to 2 · `WINDOW` committed positions (it is trained on
-replies shorter than that): a 4,000-token prompt would otherwise cost a forward of the draft
-layer over every position (~1/30 of reading the prompt, 0.5 s on two cores) before its first
-tree, and every drafted depth an attention over all of them. Slot i of its cache holds position
-`offset` + i.
+The draft layer sees the last `WINDOW` to 2 · `WINDOW` committed positions: a 4,000-token
+prompt would otherwise cost a forward of the draft layer over every position (~1/30 of reading
+the prompt, 0.5 s on two cores) before its first tree, and every drafted depth an attention over
+all of them. Slot i of its cache holds position `offset` + i.
 """
 
 from __future__ import annotations

@@ -184,15 +184,13 @@ class Fastest(Drafter):
         trial would have made their tokens in (none where they gained), over SHARE × the leader's
         step time; at most MAX_GAP. Where no tree pays (AVX2 kernels: EAGLE's turns took 2-4× a
         plain step for 1-2 tokens), trials 32 steps apart cost the default ~10 % of its speed."""
-        turns = self.trials[leader][-1] if self.trials[leader] else []
+        turns = self.trials[leader][-1]  # every drafter's tally of the trial that just ended
         seconds = sum(s for _, s in turns)
         if seconds <= 0:
             return 0
         rate = sum(t for t, _ in turns) / seconds
         lost = sum(
-            max(0.0, sum(s - t / rate for t, s in self.trials[name][-1]))
-            for name in self._names
-            if name != leader and self.trials[name]
+            max(0.0, sum(s - t / rate for t, s in self.trials[name][-1])) for name in self._names if name != leader
         )
         return min(MAX_GAP, math.ceil(lost / (SHARE * seconds / len(turns))))
 
