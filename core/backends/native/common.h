@@ -19,16 +19,29 @@ static inline float bf16_to_float(uint16_t b) {
   return f;
 }
 
+/* e^x as 2^n · e^r, r = x - n·ln 2 (ln 2 in two parts), e^r by a polynomial: exp_neg's constants,
+ * and step.c's vector loop's (EXPS). */
+#define EXP_FLOOR -87.0f
+#define EXP_LOG2E 1.44269504f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO 2.12194440e-4f /* subtracted: ln 2 = EXP_LN2_HI - EXP_LN2_LO */
+#define EXP_P0 1.9875691500e-4f
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
+
 static inline float exp_neg(float x) { /* e^x for x <= 0, to about 2 ulp (0 below -87) */
-  x = x < -87.0f ? -87.0f : x;
-  float n = __builtin_rintf(x * 1.44269504f);
-  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  x = x < EXP_FLOOR ? EXP_FLOOR : x;
+  float n = __builtin_rintf(x * EXP_LOG2E);
+  float r = x - n * EXP_LN2_HI + n * EXP_LN2_LO;
+  float p = EXP_P0;
+  p = p * r + EXP_P1;
+  p = p * r + EXP_P2;
+  p = p * r + EXP_P3;
+  p = p * r + EXP_P4;
+  p = p * r + EXP_P5;
   p = p * r * r + r + 1.0f;
   int32_t bits = ((int32_t)n + 127) << 23;
   float scale;

@@ -135,22 +135,22 @@ static inline float bf(uint16_t b) { return bf16_to_float(b); }
   }
 
 /* x ← e^x lane by lane for x <= 0 (exp_neg's method: 2^n · a polynomial in the remainder). */
-#define EXPS(NAME, TARGET, VEC, VECI, W, P, PI, ROUND, CAST)                                                               \
+#define EXPS(NAME, TARGET, VEC, VECI, W, P, ROUND, CAST)                                                            \
   TARGET static void NAME(int64_t count, float *x) {                                                                 \
     for (int64_t j = 0; j < count; j += W) {                                                                         \
-      VEC y = P##_max_ps(P##_loadu_ps(x + j), P##_set1_ps(-87.0f));                                                  \
-      VEC n = ROUND(P##_mul_ps(y, P##_set1_ps(1.44269504f)));                                                        \
-      VEC r = P##_fnmadd_ps(n, P##_set1_ps(0.693359375f), y);                                                        \
-      r = P##_fmadd_ps(n, P##_set1_ps(2.12194440e-4f), r);                                                           \
-      VEC e = P##_set1_ps(1.9875691500e-4f);                                                                         \
-      e = P##_fmadd_ps(e, r, P##_set1_ps(1.3981999507e-3f));                                                         \
-      e = P##_fmadd_ps(e, r, P##_set1_ps(8.3334519073e-3f));                                                         \
-      e = P##_fmadd_ps(e, r, P##_set1_ps(4.1665795894e-2f));                                                         \
-      e = P##_fmadd_ps(e, r, P##_set1_ps(1.6666665459e-1f));                                                         \
-      e = P##_fmadd_ps(e, r, P##_set1_ps(5.0000001201e-1f));                                                         \
+      VEC y = P##_max_ps(P##_loadu_ps(x + j), P##_set1_ps(EXP_FLOOR));                                               \
+      VEC n = ROUND(P##_mul_ps(y, P##_set1_ps(EXP_LOG2E)));                                                          \
+      VEC r = P##_fnmadd_ps(n, P##_set1_ps(EXP_LN2_HI), y);                                                          \
+      r = P##_fmadd_ps(n, P##_set1_ps(EXP_LN2_LO), r);                                                               \
+      VEC e = P##_set1_ps(EXP_P0);                                                                                   \
+      e = P##_fmadd_ps(e, r, P##_set1_ps(EXP_P1));                                                                   \
+      e = P##_fmadd_ps(e, r, P##_set1_ps(EXP_P2));                                                                   \
+      e = P##_fmadd_ps(e, r, P##_set1_ps(EXP_P3));                                                                   \
+      e = P##_fmadd_ps(e, r, P##_set1_ps(EXP_P4));                                                                   \
+      e = P##_fmadd_ps(e, r, P##_set1_ps(EXP_P5));                                                                   \
       e = P##_fmadd_ps(P##_mul_ps(e, r), r, P##_add_ps(r, P##_set1_ps(1.0f)));                                       \
-      VECI bits = PI##_slli_epi32(PI##_add_epi32(P##_cvtps_epi32(n), PI##_set1_epi32(127)), 23);                     \
-      P##_storeu_ps(x + j, P##_mul_ps(e, CAST(bits)));                                                \
+      VECI bits = P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(n), P##_set1_epi32(127)), 23);                        \
+      P##_storeu_ps(x + j, P##_mul_ps(e, CAST(bits)));                                                               \
     }                                                                                                                \
   }
 
@@ -160,8 +160,8 @@ SCORES(scores512, T512, __m512, 16, _mm512, LOAD_BF512, REDUCE4_512)
 SCORES(scores256, T256, __m256, 8, _mm256, LOAD_BF256, REDUCE4_256)
 VALUES(values512, T512, __m512, 16, _mm512, LOAD_BF512)
 VALUES(values256, T256, __m256, 8, _mm256, LOAD_BF256)
-EXPS(exps512, T512, __m512, __m512i, 16, _mm512, _mm512, ROUND512, _mm512_castsi512_ps)
-EXPS(exps256, T256, __m256, __m256i, 8, _mm256, _mm256, ROUND256, _mm256_castsi256_ps)
+EXPS(exps512, T512, __m512, __m512i, 16, _mm512, ROUND512, _mm512_castsi512_ps)
+EXPS(exps256, T256, __m256, __m256i, 8, _mm256, ROUND256, _mm256_castsi256_ps)
 
 /* Attention of up to QUERIES queries that share a kv head, against keys and values [0, length).
  * Softmax weights are e^(score - the query's top score), 0 for a key it does not see; keys
