@@ -84,8 +84,11 @@ def covers(model: PreTrainedModel, source: TensorSource) -> bool:
     return set(needed(model)) <= set(source.names())
 
 
-def packed_model(config, dtype: torch.dtype, kernel: str, gguf: Path | None, folder: Path) -> PreTrainedModel | None:
-    """The model of `config` in `dtype`, its decoder layers packed for `kernel`, its weights read
+def packed_model(
+    config, dtype: torch.dtype, kernel: str, head_kernel: str, gguf: Path | None, folder: Path
+) -> PreTrainedModel | None:
+    """The model of `config` in `dtype`, its decoder layers packed for `kernel` (a tied vocabulary
+    for `head_kernel`: `lean.share_vocabulary`), its weights read
     a tensor at a time from the GGUF file `gguf`, else from `folder`'s safetensors files. None
     where they cannot be read so (other files, other names): `from_pretrained` loads them."""
     from models.direct_gguf import GgufFile, say_requantized
@@ -102,14 +105,14 @@ def packed_model(config, dtype: torch.dtype, kernel: str, gguf: Path | None, fol
         kernel = source.layer_kernel(linears(model), kernel)
         say_requantized(gguf, source.requantized(linears(model)), kernel)
     try:
-        fill(model, source, dtype, kernel)
+        fill(model, source, dtype, kernel, head_kernel)
     except KeyError:
         return None  # a tensor transformers' loader would have renamed or split
     except OSError as e:
         raise UserError(f"The weights of {gguf or folder} do not read ({e}).") from e
     finally:
         source.close()
-    _give_back_freed_memory()
+    give_back_freed_memory()
     return model
 
 
@@ -118,7 +121,7 @@ def linears(model: PreTrainedModel) -> list[str]:
     return [name for name, p in model.named_parameters() if LAYER.search(name) and p.dim() == 2]
 
 
-def _give_back_freed_memory() -> None:
+def give_back_freed_memory() -> None:
     """Return the heap the load freed to the system (glibc keeps it otherwise); nothing elsewhere."""
     if (libc := _glibc()) is not None:
         libc.malloc_trim(0)
@@ -151,24 +154,46 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
-def fill(model: PreTrainedModel, source: TensorSource, dtype: torch.dtype, kernel: str) -> None:
+def fill(model: PreTrainedModel, source: TensorSource, dtype: torch.dtype, kernel: str, head_kernel: str) -> None:
     """Set `model`'s parameters (a `skeleton`'s) from `source` in `dtype`, packing each decoder
-    layer for `kernel` as its last weight comes in (the output layer is left to `lean.accelerate`).
-    Raises KeyError naming a parameter `source` lacks."""
+    layer for `kernel` as its last weight comes in, and a tied vocabulary for `head_kernel` as
+    soon as it is in, before the layers (`lean.share_vocabulary`: its dense table then never
+    stands beside them; an output layer of its own is left to `lean.accelerate`). Raises KeyError
+    naming a parameter `source` lacks."""
     layers = model.base_model.layers
     waiting = {i: sum(1 for _ in layer.parameters()) for i, layer in enumerate(layers)}
+    embedding = next(n for n, p in model.named_parameters() if p is model.get_input_embeddings().weight)
+    shared = False
+    readers = [lean.PackAsRead(layer, kernel) for layer in layers]
     for name in sorted(needed(model), key=_order):
-        _put(model, name, source.read(name, dtype))
-        if (match := LAYER.search(name)) is not None:
+        if name == embedding and (blocks := _q8_blocks(source, name)) is not None:
+            shared = lean.share_vocabulary(model, head_kernel, blocks)
+            if shared:
+                continue  # the table as the file holds it, its dense weight never made
+        value = source.read(name, dtype)
+        match = LAYER.search(name)
+        if match is None or not readers[int(match.group(1))].take(name[match.end() :], value):
+            _put(model, name, value)
+        del value  # a packed weight's full-precision copy goes before the next is read
+        if name == embedding:
+            shared = lean.share_vocabulary(model, head_kernel)
+            give_back_freed_memory()
+        if match is not None:
             index = int(match.group(1))
             waiting[index] -= 1
             if not waiting[index]:  # the layer's last weight: packed now, its full-precision weights freed
                 lean.pack_layer(layers[index], kernel)
-                _give_back_freed_memory()  # the freed weights' heap, before the next layer fragments it
-    if _ties(model):
+                give_back_freed_memory()  # the freed weights' heap, before the next layer fragments it
+    if _ties(model) and not shared:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
     if left := [name for name, p in model.named_parameters() if p.is_meta]:
         raise KeyError(left[0])
+
+
+def _q8_blocks(source: TensorSource, name: str):
+    """The tensor's 8-bit blocks as `source` holds them (a GGUF file's Q8_0), else None."""
+    q8_blocks = getattr(source, "q8_blocks", None)
+    return q8_blocks(name) if q8_blocks is not None else None
 
 
 def _order(name: str) -> tuple[int, str]:

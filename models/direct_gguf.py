@@ -14,6 +14,7 @@ from __future__ import annotations
 import mmap
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,6 +118,8 @@ class GgufFile:
             )
             // rows
         )
+        if self._heads(theirs) is not None:
+            return self._processed(entry, theirs, rows, columns, dtype)
         step = max(1, self.chunk // (4 * columns))  # rows whose float32 values take `chunk` bytes
         out = None
         for start in range(0, rows, step):
@@ -130,14 +133,76 @@ class GgufFile:
                     raise KeyError(name)  # a tensor transformers' loader renames or splits (not served)
                 if stop == rows:
                     return torch.from_numpy(np.ascontiguousarray(done.weights)).to(dtype)
-                if done.weights is not part:  # processing changes it: the whole tensor processed at once
-                    return self._processed(self._rows(entry, theirs, 0, rows), theirs).to(dtype)
+                if done.weights is not part:  # processing changes it
+                    return self._processed(entry, theirs, rows, columns, dtype)
                 out = torch.empty((rows, *part.shape[1:]), dtype=dtype)
             out[start:stop] = torch.from_numpy(part)
         return out
 
-    def _processed(self, weights: np.ndarray, theirs: str) -> Tensor:
+    def _processed(self, entry: Entry, theirs: str, rows: int, columns: int, dtype: torch.dtype) -> Tensor:
+        """A tensor the processing changes: processed whole, in float32; Llama's q and k (whose
+        rows llama.cpp permuted within each head) a block of whole heads at a time, each block
+        processed as a tensor of that many heads (a 2,048-row one's float32 copies otherwise stand
+        beside the packed layers at a load's peak)."""
+        heads = self._heads(theirs)
+        if heads is None or rows % heads:
+            return self._process(self._rows(entry, theirs, 0, rows), theirs, self.processor).to(dtype)
+        per_head = rows // heads
+        block = max(1, self.chunk // (4 * columns * per_head))  # heads whose float32 rows take `chunk` bytes
+        out = torch.empty((rows, columns), dtype=dtype)
+        processors = {}
+        for first in range(0, heads, block):
+            count = min(block, heads - first)
+            if count not in processors:
+                config = self.config | {"num_attention_heads": count, "num_key_value_heads": count}
+                processors[count] = type(self.processor)(config=config)
+            part = self._rows(entry, theirs, first * per_head, (first + count) * per_head)
+            out[first * per_head : (first + count) * per_head] = self._process(part, theirs, processors[count])
+        return out
+
+    def q8_blocks(self, name: str) -> Iterator[tuple[int, Tensor, Tensor]] | None:
+        """The tensor `name` as its Q8_0 blocks, a part of its rows at a time: (first row, (rows, K)
+        int8 q, (rows, K/32) float16 steps), each part a multiple of `q4.TILE` rows; None where
+        the file holds it otherwise, or the processing would change it."""
+        theirs = self.by_name[name]
+        entry = self.table[theirs]
+        if entry.kind != gguf.GGMLQuantizationType.Q8_0 or len(entry.shape) != 2 or entry.shape[0] % q4.TILE:
+            return None
+        probe = self._rows(entry, theirs, 0, q4.TILE)
         done = self.processor.process(
+            weights=probe, name=theirs, tensor_key_mapping=self.mapping, parsed_parameters={"tensors": {}}
+        )
+        if done.name != theirs or done.weights is not probe:
+            return None
+        rows, row = entry.shape[0], entry.length // entry.shape[0]
+        step = max(q4.TILE, self.chunk // row // q4.TILE * q4.TILE)
+
+        def blocks() -> Iterator[tuple[int, Tensor, Tensor]]:
+            for start in range(0, rows, step):
+                stop = min(rows, start + step)
+                raw = np.empty((stop - start) * row, dtype=np.uint8)
+                if os.preadv(self.file.fileno(), [raw], entry.offset + start * row) != raw.nbytes:
+                    raise OSError(f"{self.path} ends inside its tensor {theirs} (truncated)")
+                block = torch.from_numpy(raw).view(stop - start, -1, 34)  # a float16 step, then 32 int8
+                yield (
+                    start,
+                    block[..., 2:].contiguous().view(torch.int8).flatten(1),
+                    block[..., :2].contiguous().view(torch.float16).squeeze(-1),
+                )
+
+        return blocks()
+
+    def _heads(self, theirs: str) -> int | None:
+        """The heads of a tensor whose processing permutes rows within each head, else None."""
+        from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+        if not isinstance(self.processor, LlamaTensorProcessor):
+            return None
+        key = "num_attention_heads" if ".attn_q." in theirs else "num_key_value_heads" if ".attn_k." in theirs else None
+        return self.config.get(key) if key else None
+
+    def _process(self, weights: np.ndarray, theirs: str, processor) -> Tensor:
+        done = processor.process(
             weights=weights, name=theirs, tensor_key_mapping=self.mapping, parsed_parameters={"tensors": {}}
         )
         return torch.from_numpy(np.ascontiguousarray(done.weights))

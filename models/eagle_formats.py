@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 from transformers import LlamaConfig
 
+from core.backends.lean import table_of
 from core.drafters.eagle import EagleDraft, fill
 from core.drafters.eagle3 import Eagle3Draft
 from core.errors import UserError
@@ -61,7 +62,7 @@ def load_published(folder: Path, model: nn.Module) -> EagleDraft:
     if fc is None or tuple(fc.shape) != (hidden, 2 * hidden):
         shape = "no fc.weight" if fc is None else f"fc.weight {tuple(fc.shape)}"
         raise UserError(f"{folder} is not an EAGLE drafter for this model ({shape}; width {hidden} expected).")
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab = model.get_output_embeddings().out_features
     draft = EagleDraft(model, torch.arange(vocab), input_norm=False, output_norm=False)
     ours = {
         "fc.weight": torch.cat([fc[:, hidden:], fc[:, :hidden]], dim=1),  # [embedding; feature] → ours
@@ -73,7 +74,7 @@ def load_published(folder: Path, model: nn.Module) -> EagleDraft:
         for k, v in tensors.items()
         if k.startswith("layers.0.") and not k.endswith("inv_freq")  # old files kept the rotary table
     }
-    dtype = model.get_input_embeddings().weight.dtype
+    dtype = table_of(model.get_input_embeddings())[0]
     return fill(draft, {k: v.to(dtype) if v.is_floating_point() else v for k, v in ours.items()}, str(folder))
 
 
@@ -83,7 +84,7 @@ def load_eagle3(folder: Path, tensors: dict[str, Tensor], model: nn.Module) -> E
     config = _eagle3_config(folder)
     text = model.config.get_text_config()
     hidden, layers = text.hidden_size, text.num_hidden_layers
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab = model.get_output_embeddings().out_features
     fc, head = tensors.get("fc.weight"), tensors.get("lm_head.weight")
     if fc is None or head is None or any(k.startswith("midlayer.0.") for k in tensors):
         raise UserError(f"{folder} is not an EAGLE-3 drafter of one layer with fc.weight and lm_head.weight.")
@@ -116,7 +117,7 @@ def load_eagle3(folder: Path, tensors: dict[str, Tensor], model: nn.Module) -> E
     draft = Eagle3Draft(model, config, taps, bool(getattr(config, "norm_before_residual", False)))
     ours = {"fc.weight": fc, "norm.weight": tensors.get("norm.weight"), "lm_head.weight": head, "vocab": targets}
     ours |= {k: v for k, v in tensors.items() if k.startswith("midlayer.") and not k.endswith("inv_freq")}
-    dtype = model.get_input_embeddings().weight.dtype
+    dtype = table_of(model.get_input_embeddings())[0]
     cast = {k: v.to(dtype) if v.is_floating_point() else v for k, v in ours.items() if v is not None}
     fill(draft, cast, str(folder))  # in place: the draft, moved to the backbone's device
     return draft

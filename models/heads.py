@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from core.backends.lean import PackedLinear, padded_rows
+from core.backends.lean import PackedLinear, padded_rows, rows_of, table_of
 from core.errors import UserError
 from models.head_formats import read_head_tensors
 
@@ -76,12 +76,22 @@ class MedusaHeads(nn.Module):
         self._subset: Tensor | None = None  # (H, S) the lm_head rows of token_ids, transposed
         self._packed: Packed | None = None  # inference copies in a CPU kernel's layout (see pack)
 
+    @classmethod
+    def untrained(cls, lm_head: nn.Module, num_heads: int) -> MedusaHeads:
+        """Heads at Medusa's identity init without its blocks: each head reads the hidden state
+        straight through the shared `lm_head` (Medusa's zero-weight blocks add only their small
+        bias). No weight of their own: 4 blocks at H = 2,048 would hold 34 MB, and a packed copy."""
+        dtype, device = table_of(lm_head)
+        return (
+            cls(lm_head.in_features, lm_head.out_features, num_heads, 0, lm_head).to(device=device, dtype=dtype).eval()
+        )
+
     def _subset_weight(self) -> Tensor:
-        weight = self._shared[0].weight  # (V, H)
+        dtype, device = table_of(self._shared[0])
         sub = self._subset
-        if sub is None or sub.dtype != weight.dtype or sub.device != weight.device:
+        if sub is None or sub.dtype != dtype or sub.device != device:
             with torch.no_grad():
-                sub = weight[self.token_ids.to(weight.device)].t().contiguous()
+                sub = rows_of(self._shared[0], self.token_ids.to(device)).t().contiguous()
             self._subset = sub
         return sub
 
@@ -102,7 +112,7 @@ class MedusaHeads(nn.Module):
             if self._shared is None:
                 readouts = [_readout(h[self.num_layers].weight, dtype, kernel) for h in self.heads]
             elif self.token_ids is not None:
-                readouts = [_readout(self._shared[0].weight[self.token_ids], dtype, kernel)]
+                readouts = [_readout(rows_of(self._shared[0], self.token_ids), dtype, kernel)]
             else:
                 readouts = []  # the backbone's own lm_head
         self._packed = Packed(kernel, dtype, fused, rest, readouts)
@@ -127,7 +137,7 @@ class MedusaHeads(nn.Module):
             states = torch.stack([_blocks(states[..., i, :], p.rest[i]) for i in range(count)], dim=-2)
         if not p.readouts:
             lm_head = self._shared[0]
-            return lm_head(states.to(lm_head.weight.dtype))
+            return lm_head(states.to(table_of(lm_head)[0]))
         if len(p.readouts) == 1:
             return p.readouts[0](states)[..., : self._width()]
         return torch.stack([p.readouts[i](states[..., i, :]) for i in range(count)], dim=-2)[..., : self._width()]
@@ -147,7 +157,7 @@ class MedusaHeads(nn.Module):
         if self.token_ids is not None:
             sub = self._subset_weight()
             return states.to(sub.dtype) @ sub  # (…, count, S): logits over the subset
-        return lm_head(states.to(lm_head.weight.dtype))  # one matmul for all heads
+        return lm_head(states.to(table_of(lm_head)[0]))  # one matmul for all heads
 
     def candidates(self, hidden: Tensor, count: int, k: int) -> Tensor:
         """(count, k) token ids: each of the first `count` heads' top-k at `hidden` (H,) or (N, H)."""
@@ -235,7 +245,7 @@ def load_heads(folder: str | Path, lm_head: nn.Module, model_name: str = "this m
 
     hidden = blocks[(0, 0)].shape[1]
     vocab = tensors[f"0.{num_layers}.weight"].shape[0] if own else config.get("vocab_size")
-    model_vocab, model_hidden = lm_head.weight.shape
+    model_vocab, model_hidden = lm_head.out_features, lm_head.in_features
     if hidden != model_hidden or (vocab is not None and vocab != model_vocab):
         raise UserError(
             f"The heads in {folder} were made for a model with hidden size {hidden} and vocabulary "
@@ -253,7 +263,8 @@ def load_heads(folder: str | Path, lm_head: nn.Module, model_name: str = "this m
     heads = MedusaHeads(model_hidden, model_vocab, num_heads, num_layers, None if own else lm_head, token_ids)
     state = {f"heads.{k}": v for k, v in wanted.items()} | ({"token_ids": token_ids} if token_ids is not None else {})
     heads.load_state_dict(state, strict=True)
-    heads = heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype).eval()
+    dtype, device = table_of(lm_head)
+    heads = heads.to(device=device, dtype=dtype).eval()
     if heads.token_ids is not None:
         heads.token_ids = heads.token_ids.long()  # .to(dtype) leaves integer buffers alone; be explicit
     return heads

@@ -198,7 +198,8 @@ def cpu_choice(config: object | None, dtype: str | None, int4: bool) -> kernels.
 
 def estimate_gb(config: object, dtype: torch.dtype, quantization: str, head_kernel: str | None = None) -> float:
     """Memory of the weights once loaded: linear layers at the quantized width, the rest at dtype,
-    and on the lean CPU forward the lm_head's packed copy (`head_kernel`, the kernel chosen for it)."""
+    and on the lean CPU forward the lm_head's packed copy (`head_kernel`, the kernel chosen for it;
+    a tied 8-bit one is the embedding too)."""
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config)
     output = meta.get_output_embeddings()
@@ -209,6 +210,8 @@ def estimate_gb(config: object, dtype: torch.dtype, quantization: str, head_kern
     # the lm_head's packed copy, kept beside its weight (the embedding, or what Medusa heads read); "dense": none
     copy_width = {"q8": q4.bytes_per_weight(8), "onednn": full}.get(head_kernel, 0.0)
     copy = output.weight.numel() * copy_width if output is not None else 0.0
+    if copy and head_kernel == "q8" and getattr(config.get_text_config(), "tie_word_embeddings", False):
+        copy -= output.weight.numel() * full  # one packed table, the embedding's too (`lean.share_vocabulary`)
     return (linear * width + (total - linear) * full + copy) / 2**30
 
 
@@ -256,8 +259,11 @@ def load_backbone(
             file=sys.stderr,
         )
     try:
-        model = _load_model(spec, config, options, quant, dev, choice)
+        # the tokenizer first: its working memory while it loads (~0.5 GB for a 262k vocabulary) is
+        # given back before the weights come in, not added to them
         tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_folder)
+        direct.give_back_freed_memory()
+        model = _load_model(spec, config, options, quant, dev, choice)
     except torch.OutOfMemoryError as e:
         raise UserError(f"Out of GPU memory loading {spec.name}; choose a smaller model or --quantization nf4.") from e
     except (OSError, ValueError, ImportError) as e:
@@ -287,7 +293,9 @@ def _load_model(
     (a GGUF file converted first)."""
     if choice is not None and quant == "int4":
         with direct.large_blocks_apart():
-            model = direct.packed_model(config, options["dtype"], choice.kernel, spec.gguf, spec.folder)
+            model = direct.packed_model(
+                config, options["dtype"], choice.kernel, choice.head_kernel, spec.gguf, spec.folder
+            )
         if model is not None:
             return model
     model = AutoModelForCausalLM.from_pretrained(gguf_files.with_weights(spec.folder, spec.gguf), **options)
@@ -330,7 +338,7 @@ def corpus_for(backbone: Backbone) -> Corpus | None:
     if not re.fullmatch(r"[\w.-]+", backbone.name) or not file.is_file():  # catalog ids only, not paths
         return None
     try:
-        return load_corpus(file, backbone.model.get_output_embeddings().weight.shape[0])
+        return load_corpus(file, backbone.model.get_output_embeddings().out_features)
     except UserError as e:
         print(f"{e} Drafting goes on without it.", file=sys.stderr)
         return None
@@ -375,9 +383,7 @@ def heads_for(backbone: Backbone, heads_dir: str | Path | None, num_heads: int =
     if heads_dir:
         heads, trained = load_heads(heads_dir, lm_head, backbone.name), True
     else:
-        vocab, hidden = lm_head.weight.shape
-        heads = MedusaHeads(hidden, vocab, num_heads, 1, lm_head)
-        heads, trained = heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype).eval(), False
+        heads, trained = MedusaHeads.untrained(lm_head, num_heads), False
     if backbone.backend.layer_kernel is not None:  # the lean CPU forward: draft with this CPU's fastest kernel
         width = heads.vocab_size if heads.token_ids is None else len(heads.token_ids)
         dtype, kernel = kernels.drafting(width, heads.hidden_size, heads.num_heads, cache_dir() / "cpu-kernels.json")

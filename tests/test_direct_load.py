@@ -126,6 +126,7 @@ def test_a_gguf_file_of_many_types_loads_into_the_model_the_conversion_gives(mix
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_safetensors_folder_loads_into_the_model_from_pretrained_gives(cache, tmp_path, monkeypatch, dtype):
+    from core.backends import lean
     from models.loader import load_backbone
     from tests.gguf_writer import random_folder
 
@@ -140,8 +141,50 @@ def test_a_safetensors_folder_loads_into_the_model_from_pretrained_gives(cache, 
     old_path(monkeypatch)
     old = load_backbone(str(folder), device="cpu", quantization="int4")
     assert_same_model(new, old)
-    assert new.model.get_output_embeddings().weight is new.model.get_input_embeddings().weight  # tied
+    head, embedding = new.model.get_output_embeddings(), new.model.get_input_embeddings()
+    if isinstance(head, lean.TiedHead):  # an 8-bit lm_head: the embedding reads its packed rows
+        assert embedding._head[0] is head
+    else:
+        assert head.weight is embedding.weight
     assert torch.equal(logits(new), logits(old))
+
+
+def test_the_librarys_kernels_pack_weights_as_read_and_hold_a_tied_vocabulary_once(cache, tmp_path, monkeypatch):
+    """With the library's kernels (4-bit layers, the 8-bit lm_head), each layer weight is packed
+    into its rows of the fused weight as it is read, and a tied vocabulary becomes one packed
+    table that the lm_head multiplies and the embedding reads rows of: the same packed bytes and
+    logits as packing the whole model after `from_pretrained`, and no dense (V, H) table kept."""
+    from core.backends import lean, q4
+    from core.measure.kernels import Choice
+    from models import loader
+    from tests.gguf_writer import random_folder
+
+    if q4.library() is None:
+        pytest.skip(f"no kernel library here: {q4.unavailable()}")
+    monkeypatch.setattr(loader, "cpu_choice", lambda *args: Choice("bfloat16", "q4", "q8"))
+    folder = random_folder(dict(TINY, tie_word_embeddings=True), tmp_path / "tied")
+    taken = []
+    monkeypatch.setattr(lean.PackAsRead, "take", _counting_take(lean.PackAsRead.take, taken))
+    new = loader.load_backbone(str(folder), device="cpu", quantization="int4")
+    assert sum(taken) == 2 * 7  # every linear weight of both layers packed as read
+    head, embedding = new.model.get_output_embeddings(), new.model.get_input_embeddings()
+    assert isinstance(head, lean.TiedHead) and embedding._head[0] is head
+    tables = [t for t in packed_state(new.model).values() if t.shape == (TINY["vocab_size"], TINY["hidden_size"])]
+    assert not tables
+    ids = torch.tensor([[5, 49151, 7]])
+    assert torch.equal(embedding(ids), head.packed.rows(ids.flatten(), torch.bfloat16).view(1, 3, -1))
+    old_path(monkeypatch)
+    old = loader.load_backbone(str(folder), device="cpu", quantization="int4")
+    assert_same_model(new, old)
+    assert torch.equal(logits(new), logits(old)) and greedy(new) == greedy(old)
+
+
+def _counting_take(take, calls: list):
+    def counted(self, name, weight):
+        calls.append(took := take(self, name, weight))
+        return took
+
+    return counted
 
 
 def _float32_folder(shape: dict, tmp_path: Path) -> Path:

@@ -218,3 +218,57 @@ def test_weights_are_quantized_in_c_as_in_torch(bits):
     else:
         _, step = quantize.quantize8(weight)
     assert torch.equal(layer.d, by_tile(step).half())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_weight_put_in_parts_is_the_weight_put_whole(bits):
+    """Rows put a tile-aligned part at a time (as a load packs q, k and v one by one into the
+    fused weight) give the same bytes, steps and products as the weight packed at once."""
+    gen = torch.Generator().manual_seed(11)
+    weight = (torch.randn(80, 96, generator=gen) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(80, generator=gen)
+    whole = q4.Packed(loaded(), weight, bias, bits=bits)
+    parts = q4.Packed.empty(loaded(), 80, 96, bits=bits)
+    for start, stop in ((48, 80), (0, 16), (16, 48)):  # any order
+        parts.put(start, weight[start:stop])
+    parts.set_bias(bias)
+    for name in ("w", "d", "m"):
+        assert torch.equal(getattr(parts, name), getattr(whole, name))
+    x = torch.randn(3, 96, generator=gen).to(torch.bfloat16)
+    assert torch.equal(parts(x), whole(x))
+    with pytest.raises(ValueError, match="do not fit"):
+        parts.put(8, weight[:16])  # not on a tile
+
+
+def test_rows_of_an_8bit_weight_read_back_as_the_kernel_multiplies_them():
+    gen = torch.Generator().manual_seed(5)
+    weight = (torch.randn(64, 96, generator=gen) * 0.05).to(torch.bfloat16)
+    layer = q4.Packed(loaded(), weight, None, bits=8)
+    q, step = quantize.quantize8(weight)
+    want = (q.float().view(64, -1, quantize.GROUP) * step.half().float()[..., None]).view(64, 96)
+    ids = torch.tensor([0, 17, 63, 17, 40])
+    assert torch.equal(layer.rows(ids, torch.float32), want[ids])
+    assert torch.equal(layer.rows(ids, torch.bfloat16), want[ids].bfloat16())
+    with pytest.raises(ValueError, match="8-bit"):
+        q4.Packed(loaded(), weight, None, bits=4).rows(ids, torch.float32)
+
+
+def test_8bit_blocks_put_as_they_are_equal_the_weight_quantized_in_c():
+    """Q8_0-form blocks (int8 q and a float16 step per 32) put straight into the layout give what
+    quantizing their values in C gives: bytes, steps, sums, products."""
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randint(-127, 128, (48, 64), generator=gen, dtype=torch.int8)
+    q[:, ::32] = 127  # every group reaches 127, as Q8_0's do: its step is then the one quantize8 finds
+    step = (2.0 ** -torch.randint(5, 12, (48, 2), generator=gen)).half()  # values bf16 holds exactly
+    values = (q.float().view(48, 2, 32) * step.float()[..., None]).view(48, 64)
+    for variant in variants():
+        whole = q4.Packed(loaded(), values.bfloat16(), None, bits=8, variant=variant)
+        assert torch.equal(whole.rows(torch.arange(48), torch.float32), values)
+        blocks = q4.Packed.empty(loaded(), 48, 64, bits=8, variant=variant)
+        blocks.put_q8(32, q[32:], step[32:])
+        blocks.put_q8(0, q[:32], step[:32])
+        for name in ("w", "d", "m"):
+            assert torch.equal(getattr(blocks, name), getattr(whole, name)), name
+        x = torch.randn(2, 64, generator=gen).bfloat16()
+        assert torch.equal(blocks.rows(torch.arange(48), torch.float32), values)
+        assert torch.equal(blocks(x), whole(x))

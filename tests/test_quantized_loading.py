@@ -134,8 +134,8 @@ def test_the_stock_peer_of_a_cpu_model_is_one_full_copy_per_dtype(tiny):
 def test_the_memory_printed_before_an_int4_load_is_what_the_packed_model_holds(tied):
     """The estimate against the bytes of every tensor the lean backend keeps: the int4 layout's
     4 bits and a float16 step and minimum per 32 inputs, the embedding and norms in bf16, and the
-    lm_head's packed 8-bit copy beside the weight it keeps (0.56 bytes a weight and no copy: 20-29 %
-    under at this shape)."""
+    lm_head's packed 8-bit copy beside the weight it keeps, or (tied) as the embedding's table too
+    (0.56 bytes a weight and no copy: 20-29 % under at this shape)."""
     from transformers import LlamaConfig
 
     from core.backends import lean, q4

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     with tqdm(total=len(held), desc="replaying held-out replies", unit="reply") as bar:
         result = replies.evaluate(corpus, held, progress=lambda done, total: bar.update(done - bar.n))
     full, seconds = replies.build(records)  # what ships holds every reply
-    vocab = backbone.model.get_output_embeddings().weight.shape[0]
+    vocab = backbone.model.get_output_embeddings().out_features
     rates = [h["hit_rate"] for h in result["first_token_hits"]]
     save_corpus(out, [r["answer_ids"] for r in records], args.model, vocab, rates)
     card = {

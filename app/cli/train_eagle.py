@@ -67,7 +67,7 @@ def train_eagle(
             progress=step, on_epoch=epoch_done,
         )  # fmt: skip
     training = time.perf_counter() - started
-    vocab_size = backbone.model.get_output_embeddings().weight.shape[0]
+    vocab_size = backbone.model.get_output_embeddings().out_features
     hidden = backbone.model.config.get_text_config().hidden_size
     save_draft(out, draft, DrafterCard(args.model, vocab_size, hidden, tuple(result["acceptance"])))
     in_vocab = set(vocab.tolist())

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     lm_head = model.get_output_embeddings()
     for p in lm_head.parameters():
         p.requires_grad_(False)
-    vocab, hidden = lm_head.weight.shape
+    vocab, hidden = lm_head.out_features, lm_head.in_features
     subset = None
     if not args.own_lm_head and not args.full_vocab:
         subset = torch.unique(data.targets[data.targets >= 0])  # every token the model wrote

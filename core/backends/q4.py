@@ -244,22 +244,73 @@ class Packed:
     def __init__(
         self, lib: ctypes.CDLL, weight: Tensor, bias: Tensor | None, bits: int = 4, variant: str | None = None
     ) -> None:
-        n, k = weight.shape
-        self.lib, self.n, self.bits = lib, n, bits
+        self._allocate(lib, *weight.shape, bits, variant)
+        self.put(0, weight)
+        self.set_bias(bias)
+
+    @classmethod
+    def empty(cls, lib: ctypes.CDLL, n: int, k: int, bits: int = 4, variant: str | None = None) -> Packed:
+        """An (n, k) weight's memory, its rows to come with `put` (then its bias with `set_bias`)."""
+        packed = cls.__new__(cls)
+        packed._allocate(lib, n, k, bits, variant)
+        return packed
+
+    def _allocate(self, lib: ctypes.CDLL, n: int, k: int, bits: int, variant: str | None) -> None:
+        self.lib, self.n, self.k, self.bits = lib, n, k, bits
         self.variant = ISAS[variant or isa()]
-        source = weight.detach().to(torch.bfloat16).contiguous()
-        # quantized and laid out in C, in one pass on every core: what `core.backends.quantize` computes
         self.w = torch.empty(n * k * bits // 8, dtype=torch.uint8)
         self.d = torch.empty(n * k // GROUP, dtype=torch.float16)
         self.m = torch.empty(n * k // GROUP, dtype=torch.float16 if bits == 4 else torch.int32)
-        vnni = self.variant == ISAS["avx512-vnni"]
-        lib.q4_quantize(source.data_ptr(), n, k, bits, vnni, self.w.data_ptr(), self.d.data_ptr(), self.m.data_ptr())
-        self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.layer = Layer(n, k, bits, self.w.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), self.bias_ptr())
+        self.bias = None
+        self.layer = Layer(n, k, bits, self.w.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), None)
         self.address = ctypes.addressof(self.layer)
+
+    def put(self, start: int, weight: Tensor) -> None:
+        """Quantize `weight` into rows [start, start + its rows) (start a multiple of TILE): laid out
+        in C, in one pass on every core, as `core.backends.quantize` computes it. A row's bytes do
+        not depend on the others', so a weight put in parts is the weight put whole."""
+        rows, k = weight.shape
+        if start % TILE or rows % TILE or k != self.k or start + rows > self.n:
+            raise ValueError(f"rows {start}-{start + rows} of width {k} do not fit a packed {self.n}×{self.k} weight")
+        source = weight.detach().to(torch.bfloat16).contiguous()
+        scales = start * k // GROUP  # the tile-major layout: rows [start, …) begin here
+        w, d, m = self.w[scales * GROUP * self.bits // 8 :], self.d[scales:], self.m[scales:]
+        vnni = self.variant == ISAS["avx512-vnni"]
+        self.lib.q4_quantize(source.data_ptr(), rows, k, self.bits, vnni, w.data_ptr(), d.data_ptr(), m.data_ptr())
+
+    def put_q8(self, start: int, q: Tensor, step: Tensor) -> None:
+        """Rows [start, start + len(q)) of an 8-bit weight from blocks already quantized as
+        `q4_quantize` would lay them out: (rows, K) int8 q and (rows, K/32) float16 steps (GGUF
+        Q8_0's blocks, taken as the file holds them)."""
+        rows, k = q.shape
+        if self.bits != 8 or start % TILE or rows % TILE or k != self.k or start + rows > self.n:
+            raise ValueError(f"8-bit rows {start}-{start + rows} of width {k} do not fit this packed weight")
+        groups, tiles = k // GROUP, slice(start // TILE, (start + rows) // TILE)
+        blocks = q.view(-1, TILE, groups, 8, 4)  # (tile, j, group, u, i) → the layout's (tile, group, u, j, i)
+        self.w.view(torch.int8).view(-1, groups, 8, TILE, 4)[tiles] = blocks.permute(0, 2, 3, 1, 4)
+        self.d.view(-1, groups, TILE)[tiles] = step.view(-1, TILE, groups).permute(0, 2, 1)
+        vnni = self.variant == ISAS["avx512-vnni"]
+        sums = q.view(-1, TILE, groups, GROUP).sum(-1, dtype=torch.int32).permute(0, 2, 1)
+        self.m.view(-1, groups, TILE)[tiles] = 128 * sums if vnni else 0
+
+    def set_bias(self, bias: Tensor | None) -> None:
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.layer.bias = self.bias_ptr()
 
     def bias_ptr(self) -> int | None:
         return None if self.bias is None else self.bias.data_ptr()
+
+    def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        """(n,) output indices → (n, K) those rows of an 8-bit weight as the kernel multiplies
+        them (q · step, in `dtype`): `q4_quantize`'s layout read back (tiles of 16 outputs; per
+        tile and group, byte 64u + 4j + i holds output j's input 4u + i)."""
+        if self.bits != 8:
+            raise ValueError("rows are read back from 8-bit weights only")
+        groups = self.d.numel() // self.n
+        tile, j = ids // TILE, ids % TILE
+        q = self.w.view(torch.int8).view(-1, groups, 8, TILE, 4)[tile, :, :, j, :]  # (n, groups, 8, 4)
+        step = self.d.view(-1, groups, TILE)[tile, :, j].float()  # (n, groups)
+        return (q.reshape(len(ids), groups, GROUP).float() * step.unsqueeze(-1)).flatten(1).to(dtype)
 
     def __call__(self, x: Tensor) -> Tensor:
         """(rows, K) bf16, rows contiguous → (rows, N) bf16."""

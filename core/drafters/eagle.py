@@ -32,6 +32,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor, nn
 
 from core.backends import cache as kv
+from core.backends.lean import rows_of, table_of
 from core.errors import UserError
 from core.files import save_tensors
 
@@ -79,17 +80,17 @@ class EagleDraft(nn.Module):
     @property
     def backbone_dtype(self) -> torch.dtype:
         """The dtype the backbone computes in (the draft runs in it too)."""
-        return self._embed[0].weight.dtype
+        return table_of(self._embed[0])[0]
 
     @property
     def vocab_size(self) -> int:
         """The backbone's vocabulary size."""
-        return self._head[0].weight.shape[0]
+        return self._head[0].out_features
 
     @property
     def readout_weight(self) -> Tensor:
         """(V_draft, H) the backbone's lm_head rows of the draft vocabulary."""
-        return self._head[0].weight.detach()[self.vocab]
+        return rows_of(self._head[0], self.vocab)
 
     def fused(self, features: Tensor) -> Tensor:
         """(…, (taps + 1)·H) the backbone's tapped streams then its last feature, as
@@ -197,7 +198,7 @@ def load_draft(file: Path, model: nn.Module, model_name: str | None = None) -> t
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:
         raise UserError(f"The EAGLE drafter {file} cannot be read ({e.__class__.__name__}); replace it.") from e
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab = model.get_output_embeddings().out_features
     hidden = model.config.get_text_config().hidden_size
     not_ours = UserError(f"{file} is not a medusa-chat EAGLE drafter; make one with `medusa-chat train-drafter`.")
     if meta.get("format") != FORMAT or "vocab" not in tensors:
@@ -227,7 +228,7 @@ def load_draft(file: Path, model: nn.Module, model_name: str | None = None) -> t
 
 def fill(draft: EagleDraft, tensors: dict[str, Tensor], name: str) -> EagleDraft:
     """`draft` with every weight from `tensors`, which must hold exactly the draft's."""
-    model_device = draft._embed[0].weight.device
+    model_device = table_of(draft._embed[0])[1]
     try:
         missing, unexpected = draft.load_state_dict(tensors, strict=False)
     except RuntimeError as e:  # a tensor of the wrong shape

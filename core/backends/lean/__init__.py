@@ -27,9 +27,20 @@ from core.backends.lean.forward import LeanForward
 from core.backends.lean.kv import StaticKV
 from core.backends.lean.layer import LeanLayer, causal_mask, norm
 from core.backends.lean.native import native_decoder, run_native
-from core.backends.lean.packed import KERNELS, LIBRARY, QUANTIZED, PackedLinear, kernel_works, padded_rows
+from core.backends.lean.packed import (
+    KERNELS,
+    LIBRARY,
+    QUANTIZED,
+    PackedEmbedding,
+    PackedLinear,
+    TiedHead,
+    kernel_works,
+    padded_rows,
+    rows_of,
+    table_of,
+)
 from core.backends.lean.rope import Rope
-from core.backends.lean.surgery import SUPPORTED, accelerate, pack_layer, servable
+from core.backends.lean.surgery import SUPPORTED, PackAsRead, accelerate, pack_layer, servable, share_vocabulary
 
 __all__ = [
     "KERNELS",
@@ -39,9 +50,12 @@ __all__ = [
     "LeanBackend",
     "LeanForward",
     "LeanLayer",
+    "PackAsRead",
+    "PackedEmbedding",
     "PackedLinear",
     "Rope",
     "StaticKV",
+    "TiedHead",
     "accelerate",
     "causal_mask",
     "kernel_works",
@@ -49,6 +63,9 @@ __all__ = [
     "norm",
     "pack_layer",
     "padded_rows",
+    "rows_of",
     "run_native",
     "servable",
+    "share_vocabulary",
+    "table_of",
 ]

@@ -56,6 +56,20 @@ class PackedLinear(nn.Module):
         else:
             self.packed = w
 
+    @classmethod
+    def empty(cls, out_features: int, in_features: int, kernel: str) -> PackedLinear:
+        """A PackedLinear of the library's `kernel` (the shape one it takes) whose weight comes in
+        rows later: `packed.put`, then `set_bias`."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.kernel, layer.out_features, layer.in_features, layer.bias = kernel, out_features, in_features, None
+        layer.packed = q4.Packed.empty(q4.library(), out_features, in_features, bits=4 if kernel == "q4" else 8)
+        return layer
+
+    def set_bias(self, bias: Tensor | None) -> None:
+        self.bias = None if bias is None else bias.detach()
+        self.packed.set_bias(bias)
+
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).contiguous()
@@ -72,6 +86,77 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, kernel={self.kernel}"
+
+
+class TiedHead(PackedLinear):
+    """A tied lm_head on the library's 8-bit kernel that is also the embedding table
+    (`PackedEmbedding` reads its rows): the vocabulary is held once, in the kernel's layout, and no
+    dense copy is kept. `weight` makes the dense table when read (a reader that keeps it holds its
+    memory); `rows` reads a few rows, `dtype` and `device` describe it without making it."""
+
+    def __init__(self, weight: Tensor) -> None:
+        super().__init__(weight, None, "q8")
+        if self.kernel != "q8":
+            raise ValueError(f"a {tuple(weight.shape)} table does not fit the 8-bit kernel")
+        self.dtype, self.device = weight.dtype, weight.device
+
+    @classmethod
+    def from_blocks(cls, shape: tuple[int, int], dtype: torch.dtype, blocks) -> TiedHead:
+        """The (V, H) table from 8-bit blocks as a file holds them (`q4.Packed.put_q8`'s parts:
+        first row, int8 q, float16 steps), taken exactly, with no dense copy on the way."""
+        head = cls.empty(*shape, "q8")
+        for start, q, step in blocks:
+            head.packed.put_q8(start, q, step)
+        head.dtype, head.device = dtype, torch.device("cpu")
+        return head
+
+    def rows(self, ids: Tensor) -> Tensor:
+        """(n,) token ids → (n, H) their rows of the table, in `dtype`."""
+        return self.packed.rows(ids.reshape(-1), self.dtype).view(*ids.shape, self.in_features)
+
+    @property
+    def weight(self) -> Tensor:
+        ids = torch.arange(self.out_features)
+        return torch.cat([self.rows(ids[i : i + PACK_ROWS]) for i in range(0, len(ids), PACK_ROWS)])
+
+
+class PackedEmbedding(nn.Module):
+    """The token embedding of a tied model, read from its `TiedHead`'s rows (what the lm_head
+    multiplies: a GGUF file's own 8-bit blocks where it holds them, else each weight within half an
+    8-bit step of its value), times the embedding's scale
+    where the family has one (Gemma's √H, applied as its embedding does)."""
+
+    def __init__(self, head: TiedHead, scale: Tensor | None) -> None:
+        super().__init__()
+        self._head = [head]  # in a list: the lm_head's, not a submodule of the embedding
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.scale = None if scale is None else scale.to(head.dtype)
+
+    @property
+    def weight(self) -> Tensor:
+        return self._head[0].weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        rows = self._head[0].rows(ids)
+        return rows if self.scale is None else rows * self.scale
+
+
+def rows_of(module: nn.Module, ids: Tensor) -> Tensor:
+    """Rows `ids` of an embedding's or lm_head's table (detached), without making the whole of a
+    packed one."""
+    if isinstance(module, PackedEmbedding):
+        module = module._head[0]
+    return module.rows(ids) if isinstance(module, TiedHead) else module.weight.detach()[ids]
+
+
+def table_of(module: nn.Module) -> tuple[torch.dtype, torch.device]:
+    """The dtype and device of an embedding's or lm_head's table, without making a dense copy of a
+    packed one."""
+    if isinstance(module, PackedEmbedding):
+        module = module._head[0]
+    if isinstance(module, TiedHead):
+        return module.dtype, module.device
+    return module.weight.dtype, module.weight.device
 
 
 def padded_rows(rows: int) -> int:

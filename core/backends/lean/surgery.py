@@ -8,9 +8,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from core.backends import q4
 from core.backends.lean.backend import LeanBackend, cost_grows_by_row
 from core.backends.lean.layer import act_name
-from core.backends.lean.packed import PackedLinear
+from core.backends.lean.packed import LIBRARY, PackedEmbedding, PackedLinear, TiedHead
 
 # model_type values whose decoder layers the lean forward reproduces
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
@@ -44,35 +45,83 @@ class Part(nn.Module):
         return self.fused(x)[..., self.start : self.stop]
 
 
+GROUPS = (  # a decoder layer's linear layers as `LeanLayer` runs them: (parent, packed name, parts)
+    ("self_attn", "qkv", ("q_proj", "k_proj", "v_proj")),
+    ("self_attn", "o_proj", ("o_proj",)),
+    ("mlp", "gate_up", ("gate_proj", "up_proj")),
+    ("mlp", "down_proj", ("down_proj",)),
+)
+
+
 def _fuse(parent: nn.Module, names: tuple[str, ...], kernel: str) -> PackedLinear:
-    """One PackedLinear over the concatenated outputs of `parent`'s linear layers `names`,
-    which become Parts of it."""
+    """One PackedLinear over the concatenated outputs of `parent`'s linear layers `names`."""
     parts = [getattr(parent, n) for n in names]
-    weight = torch.cat([p.weight for p in parts])
-    biases = [p.bias for p in parts]
-    bias = (
-        None
-        if all(b is None for b in biases)
-        else torch.cat(
-            [b if b is not None else weight.new_zeros(p.weight.shape[0]) for p, b in zip(parts, biases, strict=True)]
-        )
-    )
-    fused = PackedLinear(weight, bias, kernel)
+    weight = parts[0].weight if len(parts) == 1 else torch.cat([p.weight for p in parts])
+    return PackedLinear(weight, _bias(parts), kernel)
+
+
+def _bias(parts: list[nn.Linear]) -> Tensor | None:
+    """The concatenated biases of `parts` (zeros for one without), None where none has one."""
+    some = next((p.bias for p in parts if p.bias is not None), None)
+    if some is None:
+        return None
+    return torch.cat([p.bias if p.bias is not None else some.new_zeros(p.out_features) for p in parts])
+
+
+def _install(parent: nn.Module, name: str, names: tuple[str, ...], packed: PackedLinear) -> None:
+    """`packed` in place of `parent`'s linear layers `names`: itself for one, as `name` with a
+    Part for each of several."""
+    if len(names) == 1:
+        setattr(parent, names[0], packed)
+        return
+    setattr(parent, name, packed)
     start = 0
-    for name, part in zip(names, parts, strict=True):
-        stop = start + part.weight.shape[0]
-        setattr(parent, name, Part(fused, start, stop))
+    for one in names:
+        stop = start + getattr(parent, one).out_features
+        setattr(parent, one, Part(packed, start, stop))
         start = stop
-    return fused
 
 
 def pack_layer(layer: nn.Module, kernel: str) -> None:
-    """Pack one decoder layer's linear layers in place (q/k/v and gate/up fused), for `LeanLayer`."""
-    attn, mlp = layer.self_attn, layer.mlp
-    attn.qkv = _fuse(attn, ("q_proj", "k_proj", "v_proj"), kernel)
-    attn.o_proj = PackedLinear(attn.o_proj.weight, attn.o_proj.bias, kernel)
-    mlp.gate_up = _fuse(mlp, ("gate_proj", "up_proj"), kernel)
-    mlp.down_proj = PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias, kernel)
+    """Pack one decoder layer's linear layers in place (q/k/v and gate/up fused), for `LeanLayer`
+    (a group `PackAsRead` packed is kept)."""
+    for parent_name, name, names in GROUPS:
+        parent = getattr(layer, parent_name)
+        if isinstance(getattr(parent, names[0]), nn.Linear):
+            _install(parent, name, names, _fuse(parent, names, kernel))
+
+
+class PackAsRead:
+    """A decoder layer's linear weights packed for the library's kernel as a load reads them, each
+    into its rows of the packed (fused) weight: the load holds one weight in full precision at a
+    time, not the layer's (at 1.7B: 34 MB instead of 134, and no fused copy beside them). The
+    rows' bytes are those `pack_layer` gives (a row is quantized on its own)."""
+
+    def __init__(self, layer: nn.Module, kernel: str) -> None:
+        self.layer, self.kernel = layer, kernel
+        self.open: dict[str, tuple[PackedLinear, set[str]]] = {}  # packed name → it, the parts put
+
+    def take(self, name: str, weight: Tensor) -> bool:
+        """Whether the weight `name` (in the layer: "mlp.up_proj.weight") was packed; False: the
+        caller sets it on the layer (not a linear weight, or a kernel or shape this does not take).
+        The group's biases must be set on the layer before its last weight comes."""
+        parent_name, _, leaf = name.removesuffix(".weight").rpartition(".")
+        group = next((g for g in GROUPS if g[0] == parent_name and leaf in g[2]), None)
+        if self.kernel not in LIBRARY or not name.endswith(".weight") or group is None:
+            return False
+        parent, _, names = getattr(self.layer, parent_name), *group[1:]
+        widths = [getattr(parent, one).out_features for one in names]
+        columns = getattr(parent, leaf).in_features
+        if q4.library() is None or not all(q4.fits(width, columns) for width in widths):
+            return False
+        packed, put = self.open.setdefault(group[1], (PackedLinear.empty(sum(widths), columns, self.kernel), set()))
+        packed.packed.put(sum(widths[: names.index(leaf)]), weight)
+        put.add(leaf)
+        if len(put) == len(names):
+            packed.set_bias(_bias([getattr(parent, one) for one in names]))
+            _install(parent, group[1], names, packed)
+            del self.open[group[1]]
+        return True
 
 
 def accelerate(
@@ -82,16 +131,42 @@ def accelerate(
     consumer of the model (the decode loop, the step-cost curve, head training) then runs.
 
     Decoder layers get `kernel` with q/k/v and gate/up fused into one matmul each; the lm_head
-    gets `head_kernel` and keeps its `weight` (tied to the embedding), which Medusa heads read.
+    gets `head_kernel` and keeps its `weight`, which Medusa heads read (a tied one on the 8-bit
+    kernel is also the embedding: `share_vocabulary`; one already packed is kept).
     `by_row(head)`: whether a tree's logits go a node at a time (default: timed here, now; the
     loader passes `core.measure.kernels.head_by_row`, which remembers it)."""
     for layer in model.base_model.layers:
         if not any(isinstance(m, PackedLinear) for m in layer.modules()):  # else packed as it loaded
             pack_layer(layer, kernel)
     head = model.get_output_embeddings()
-    packed = PackedLinear(head.weight, head.bias, head_kernel)
-    packed.weight = head.weight
-    model.set_output_embeddings(packed)
+    if not isinstance(head, PackedLinear) and not share_vocabulary(model, head_kernel):
+        packed = PackedLinear(head.weight, head.bias, head_kernel)
+        packed.weight = head.weight
+        model.set_output_embeddings(packed)
     backend = LeanBackend(model)
-    backend.row_head = (by_row or cost_grows_by_row)(packed)
+    backend.row_head = (by_row or cost_grows_by_row)(model.get_output_embeddings())
     return backend
+
+
+def share_vocabulary(model: nn.Module, head_kernel: str, blocks=None) -> bool:
+    """Where the model ties its lm_head to its embedding and the lm_head runs on the 8-bit kernel,
+    make both one `TiedHead` (the embedding reads its rows) and drop the dense table: the
+    vocabulary is then held once, at ~1.2 bytes a weight instead of the table's 2 plus the kernel's
+    copy (a 262k × 640 vocabulary: 200 MB instead of 535). `blocks`: the table's 8-bit blocks as
+    a file holds them (`TiedHead.from_blocks`: exact, and the embedding's weight may be unread);
+    else its weight is quantized. Whether it did."""
+    embedding = model.get_input_embeddings()
+    weight = embedding.weight
+    if (
+        head_kernel != "q8"
+        or not getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+        or (weight.is_meta and blocks is None)
+        or weight.device.type not in ("cpu", "meta")
+        or not q4.fits(*weight.shape)
+        or q4.library() is None
+    ):
+        return False
+    head = TiedHead(weight) if blocks is None else TiedHead.from_blocks(tuple(weight.shape), weight.dtype, blocks)
+    model.set_output_embeddings(head)
+    model.set_input_embeddings(PackedEmbedding(head, getattr(embedding, "embed_scale", None)))
+    return True
