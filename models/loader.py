@@ -376,15 +376,16 @@ def heads_for(backbone: Backbone, heads_dir: str | Path | None, num_heads: int =
     """The heads to draft with and whether they are trained.
 
     Without a folder (neither --heads nor the model's default), untrained heads
-    (Medusa's identity init on the shared lm_head), which keep decoding correct but rarely
-    have a draft accepted.
+    (`MedusaHeads.untrained`: Medusa's identity init, each head the shared lm_head), which keep
+    decoding correct but rarely have a draft accepted.
     """
     lm_head = backbone.model.get_output_embeddings()
     if heads_dir:
         heads, trained = load_heads(heads_dir, lm_head, backbone.name), True
     else:
         heads, trained = MedusaHeads.untrained(lm_head, num_heads), False
-    if backbone.backend.layer_kernel is not None:  # the lean CPU forward: draft with this CPU's fastest kernel
+    if backbone.backend.layer_kernel is not None and heads.num_layers:  # the lean CPU forward: draft with this
+        # CPU's fastest kernel (heads without blocks draft through the lm_head: nothing to pack or time)
         width = heads.vocab_size if heads.token_ids is None else len(heads.token_ids)
         dtype, kernel = kernels.drafting(width, heads.hidden_size, heads.num_heads, cache_dir() / "cpu-kernels.json")
         heads.pack(kernel, kernels.DTYPES[dtype])
