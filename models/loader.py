@@ -14,7 +14,7 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
 from core.backends import lean, q4
 from core.backends.base import Backend
@@ -261,7 +261,7 @@ def load_backbone(
     try:
         # the tokenizer first: its working memory while it loads (~0.5 GB for a 262k vocabulary) is
         # given back before the weights come in, not added to them
-        tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_folder)
+        tokenizer = load_tokenizer(spec)
         direct.give_back_freed_memory()
         model = _load_model(spec, config, options, quant, dev, choice)
     except torch.OutOfMemoryError as e:
@@ -271,6 +271,16 @@ def load_backbone(
     eos = _eos_ids(model, tokenizer)
     backend = _backend(model, choice, quant)
     return Backbone(spec.name, model, tokenizer, eos, spec.chat_template, spec.folder, backend, spec.gguf)
+
+
+def load_tokenizer(spec: ModelSpec):
+    """The model's tokenizer. A GGUF file's (the tokenizer.json its description wrote) is loaded
+    as it is serialized rather than rebuilt by its family's class from vocabulary and merges in
+    Python: the same ids and text (tested), and for Gemma's 262k vocabulary ~160 MB less held and
+    a second less to load."""
+    if spec.gguf is not None and (Path(spec.tokenizer_folder) / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(spec.tokenizer_folder)
+    return AutoTokenizer.from_pretrained(spec.tokenizer_folder)
 
 
 def _backend(model: PreTrainedModel, choice: kernels.Choice | None, quant: str) -> Backend | None:

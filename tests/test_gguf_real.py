@@ -199,6 +199,35 @@ def test_generate_with_the_gemma3_file_copies_with_the_lookup_drafter_as_the_pla
 # ---- files the app cannot run: one sentence, exit 2 ----
 
 
+def test_a_gguf_files_tokenizer_loads_as_serialized_and_tokenizes_as_its_family_class(gemma):
+    """The tokenizer.json of a file's description, loaded as it is (not rebuilt by GemmaTokenizer
+    from vocabulary and merges): the same ids for this repository's docs, special tokens and odd
+    text, the same text back, the same special ids."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from models.embedded import embedded_gguf
+    from models.loader import load_tokenizer, resolve
+
+    texts = [f.read_text(encoding="utf-8") for f in sorted(Path(__file__).parent.parent.glob("docs/*.md"))]
+    texts += [
+        "<start_of_turn>user\nHi!<end_of_turn>\n<|im_start|>",
+        "  spaces\t\ttabs\n\n\nünïcödé 🙂 <unused12> <mask>",
+    ]
+    for file in (gemma, embedded_gguf()):
+        spec = resolve(str(file))
+        ours, theirs = load_tokenizer(spec), AutoTokenizer.from_pretrained(spec.tokenizer_folder)
+        assert type(ours).__name__ == "TokenizersBackend"
+        for text in texts:
+            ids = theirs(text)["input_ids"]
+            assert ours(text)["input_ids"] == ids
+            assert ours.decode(ids) == theirs.decode(ids)
+            assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True)
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+            assert getattr(ours, name) == getattr(theirs, name), name
+
+
 def _unsupported_type(folder):
     model = tiny_model("llama", seed=3)
     file = folder / "q1_0.gguf"
