@@ -29,7 +29,7 @@ from models.cpu import transpose_linears
 from models.eagle_formats import EAGLE_FILES, load_published
 from models.embedded import EMBEDDED_ID, cache_dir, embedded_described
 from models.heads import MedusaHeads, load_heads
-from models.quantization import bnb_config, pick_quantization
+from models.quantization import bnb_config, estimate_gb, pick_quantization
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 BACKBONE_FILES = ["*.json", "*.safetensors", "*.bin", "tokenizer.model", "*.txt"]
@@ -194,25 +194,6 @@ def cpu_choice(config: object | None, dtype: str | None, int4: bool) -> kernels.
     hidden = getattr(config, "hidden_size", 1024)
     inner = getattr(config, "intermediate_size", 4 * hidden)
     return kernels.choose(hidden, inner, dtype, int4, cache_dir() / "cpu-kernels.json")
-
-
-def estimate_gb(config: object, dtype: torch.dtype, quantization: str, head_kernel: str | None = None) -> float:
-    """Memory of the weights once loaded: linear layers at the quantized width, the rest at dtype,
-    and on the lean CPU forward the lm_head's packed copy (`head_kernel`, the kernel chosen for it;
-    a tied 8-bit one is the embedding too)."""
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config)
-    output = meta.get_output_embeddings()
-    linear = sum(m.weight.numel() for m in meta.modules() if isinstance(m, torch.nn.Linear) and m is not output)
-    total = sum(p.numel() for p in meta.parameters())
-    full = torch.finfo(dtype).bits / 8
-    width = {"nf4": 0.53, "int8": 1.0, "int4": q4.bytes_per_weight(4)}.get(quantization, full)
-    # the lm_head's packed copy, kept beside its weight (the embedding, or what Medusa heads read); "dense": none
-    copy_width = {"q8": q4.bytes_per_weight(8), "onednn": full}.get(head_kernel, 0.0)
-    copy = output.weight.numel() * copy_width if output is not None else 0.0
-    if copy and head_kernel == "q8" and getattr(config.get_text_config(), "tie_word_embeddings", False):
-        copy -= output.weight.numel() * full  # one packed table, the embedding's too (`lean.share_vocabulary`)
-    return (linear * width + (total - linear) * full + copy) / 2**30
 
 
 def load_backbone(

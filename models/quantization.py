@@ -7,8 +7,9 @@ import importlib.util
 import sys
 
 import torch
+from transformers import AutoModelForCausalLM
 
-from core.backends import lean
+from core.backends import lean, q4
 from core.errors import UserError
 from models.choices import QUANTIZATIONS
 
@@ -59,3 +60,22 @@ def bnb_config(quant: str, dtype: torch.dtype, device: torch.device | None = Non
         bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=compute,
     )
+
+
+def estimate_gb(config: object, dtype: torch.dtype, quantization: str, head_kernel: str | None = None) -> float:
+    """Memory of the weights once loaded: linear layers at the quantized width, the rest at dtype,
+    and on the lean CPU forward the lm_head's packed copy (`head_kernel`, the kernel chosen for it;
+    a tied 8-bit one is the embedding too)."""
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    output = meta.get_output_embeddings()
+    linear = sum(m.weight.numel() for m in meta.modules() if isinstance(m, torch.nn.Linear) and m is not output)
+    total = sum(p.numel() for p in meta.parameters())
+    full = torch.finfo(dtype).bits / 8
+    width = {"nf4": 0.53, "int8": 1.0, "int4": q4.bytes_per_weight(4)}.get(quantization, full)
+    # the lm_head's packed copy, kept beside its weight (the embedding, or what Medusa heads read); "dense": none
+    copy_width = {"q8": q4.bytes_per_weight(8), "onednn": full}.get(head_kernel, 0.0)
+    copy = output.weight.numel() * copy_width if output is not None else 0.0
+    if copy and head_kernel == "q8" and getattr(config.get_text_config(), "tie_word_embeddings", False):
+        copy -= output.weight.numel() * full  # one packed table, the embedding's too (`lean.share_vocabulary`)
+    return (linear * width + (total - linear) * full + copy) / 2**30

@@ -6,7 +6,8 @@ import torch
 from transformers import AutoConfig, PreTrainedModel
 
 from core.decode import precision
-from models.loader import Backbone, estimate_gb, load_stock
+from models.loader import Backbone, load_stock
+from models.quantization import estimate_gb
 
 
 def stock_peers(backbone: Backbone, dtypes: dict[str, torch.dtype]) -> tuple[dict[str, PreTrainedModel], list[str]]:

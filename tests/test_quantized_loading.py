@@ -139,7 +139,7 @@ def test_the_memory_printed_before_an_int4_load_is_what_the_packed_model_holds(t
     from transformers import LlamaConfig
 
     from core.backends import lean, q4
-    from models.loader import estimate_gb
+    from models.quantization import estimate_gb
 
     if q4.library() is None:
         pytest.skip(f"no kernel library here: {q4.unavailable()}")

@@ -279,9 +279,8 @@ class Packed:
         self.lib.q4_quantize(source.data_ptr(), rows, k, self.bits, vnni, w.data_ptr(), d.data_ptr(), m.data_ptr())
 
     def put_q8(self, start: int, q: Tensor, step: Tensor) -> None:
-        """Rows [start, start + len(q)) of an 8-bit weight from blocks already quantized as
-        `q4_quantize` would lay them out: (rows, K) int8 q and (rows, K/32) float16 steps (GGUF
-        Q8_0's blocks, taken as the file holds them)."""
+        """Rows [start, start + len(q)) of an 8-bit weight from (rows, K) int8 q and (rows, K/32)
+        float16 steps (GGUF Q8_0's blocks), taken as they are."""
         rows, k = q.shape
         if self.bits != 8 or start % TILE or rows % TILE or k != self.k or start + rows > self.n:
             raise ValueError(f"8-bit rows {start}-{start + rows} of width {k} do not fit this packed weight")
@@ -301,9 +300,8 @@ class Packed:
         return None if self.bias is None else self.bias.data_ptr()
 
     def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
-        """(n,) output indices → (n, K) those rows of an 8-bit weight as the kernel multiplies
-        them (q · step, in `dtype`): `q4_quantize`'s layout read back (tiles of 16 outputs; per
-        tile and group, byte 64u + 4j + i holds output j's input 4u + i)."""
+        """(n,) output indices → (n, K) those rows of an 8-bit weight as the kernel multiplies them
+        (q · step, in `dtype`): per tile and group, byte 64u + 4j + i holds row j's input 4u + i."""
         if self.bits != 8:
             raise ValueError("rows are read back from 8-bit weights only")
         groups = self.d.numel() // self.n
