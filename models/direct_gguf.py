@@ -180,9 +180,7 @@ class GgufFile:
         def blocks() -> Iterator[tuple[int, Tensor, Tensor]]:
             for start in range(0, rows, step):
                 stop = min(rows, start + step)
-                raw = np.empty((stop - start) * row, dtype=np.uint8)
-                if os.preadv(self.file.fileno(), [raw], entry.offset + start * row) != raw.nbytes:
-                    raise OSError(f"{self.path} ends inside its tensor {theirs} (truncated)")
+                raw = self._bytes(entry, theirs, start, stop)
                 block = torch.from_numpy(raw).view(stop - start, -1, 34)  # a float16 step, then 32 int8
                 yield (
                     start,
@@ -209,14 +207,18 @@ class GgufFile:
 
     def _rows(self, entry: Entry, theirs: str, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) of a tensor (all of a one-row tensor), dequantized to float32."""
-        rows = entry.shape[0] if len(entry.shape) > 1 else 1
-        row = entry.length // rows
-        raw = np.empty((stop - start) * row, dtype=np.uint8)
-        if os.preadv(self.file.fileno(), [raw], entry.offset + start * row) != raw.nbytes:
-            raise OSError(f"{self.path} ends inside its tensor {theirs} (truncated)")
+        raw = self._bytes(entry, theirs, start, stop)
         shape = (stop - start, *entry.shape[1:]) if len(entry.shape) > 1 else entry.shape
         data = raw.view(_TYPED.get(entry.kind, np.uint8)).reshape(shape)
         return gguf.quants.dequantize(data, entry.kind)
+
+    def _bytes(self, entry: Entry, theirs: str, start: int, stop: int) -> np.ndarray:
+        """The file's bytes of rows [start, stop) of a tensor (all of a one-row tensor)."""
+        row = entry.length // (entry.shape[0] if len(entry.shape) > 1 else 1)
+        raw = np.empty((stop - start) * row, dtype=np.uint8)
+        if os.preadv(self.file.fileno(), [raw], entry.offset + start * row) != raw.nbytes:
+            raise OSError(f"{self.path} ends inside its tensor {theirs} (truncated)")
+        return raw
 
     def requantized(self, names: list[str]) -> list[str]:
         """The tensor types of these weights that 4-bit layers do not take as they are."""
