@@ -270,6 +270,25 @@ def test_a_file_the_app_cannot_run_is_refused_with_one_sentence(cache, tmp_path,
 # ---- agreement with llama.cpp ----
 
 
+def test_by_default_the_embedded_files_next_token_choices_agree_with_its_exact_weights(cache):
+    """Our default (4-bit weights as the file holds them, 8-bit activations) against full precision
+    (the file's weights dequantized, float32) on the embedded file, teacher-forced over 2,301
+    positions of held-out text: at least 93.5 % the same first choice (95.0 % here, llama.cpp's
+    own quantized computation 96.5 % against its exact twin; 91.6 % when the kernel's offset term
+    took the exact activations' sum instead of the quantized ones': q4gemm.c)."""
+    from models.embedded import embedded_gguf
+    from models.loader import load_backbone
+    from tests.agreement import CONFIGS, chunks, ours_first
+
+    file = str(embedded_gguf())
+    ours, exact = (load_backbone(file, device="cpu", **CONFIGS[name]) for name in ("default", "full precision"))
+    agreed = total = 0
+    for ids in chunks(ours.tokenizer, 2300, 768):
+        mine, theirs = ours_first(ours, ids)[:-1], ours_first(exact, ids)[:-1]
+        agreed, total = agreed + int((mine == theirs).sum()), total + len(mine)
+    assert total >= 2300 and agreed / total >= 0.935, (agreed, total)
+
+
 @pytest.fixture(scope="module")
 def agreements(gemma):
     """{(file, subject, reference): share} over one chunk of held-out text per file (Gemma's past
@@ -297,11 +316,11 @@ def agreements(gemma):
 def test_our_next_token_choices_agree_with_llama_cpp(agreements, file, config):
     """In full precision, our forward is llama.cpp's on the file's exact (dequantized) weights: at
     least 99 % top-1 agreement (the rest near-ties). By default (int4 on the CPU), ours agrees with
-    that exact answer within 4 points of llama.cpp's own quantized computation of the file;
+    that exact answer within 3 points of llama.cpp's own quantized computation of the file;
     `python -m tests.agreement FILE` gives the figures."""
     exact = agreements[(file, f"ours, {config}", "llama.cpp exact")]
     if config == "full precision":
         assert exact >= 0.99
     else:
-        # over 767 positions: the embedded file 91.9 % (llama.cpp 94.8 %); over 2,301 95.3 % (95.9 %)
-        assert exact >= agreements[(file, "llama.cpp", "llama.cpp exact")] - 0.04
+        # over 767 positions: the embedded file 93.6 % (llama.cpp 94.8 %); over 2,301 95.0 % (96.5 %)
+        assert exact >= agreements[(file, "llama.cpp", "llama.cpp exact")] - 0.03

@@ -49,5 +49,6 @@ def reference(x: Tensor, weight: Tensor, bias: Tensor | None = None, bits: int =
     scale = a.abs().amax(-1, keepdim=True) / 127
     p = torch.round(a / torch.where(scale > 0, scale, 1)).clamp(-127, 127)
     dots = torch.einsum("rgi,ngi->rng", p, q.float().view(-1, k // GROUP, GROUP))
-    y = (dots * step[None] * scale.transpose(1, 2)).sum(-1) + (a.sum(-1)[:, None, :] * low[None]).sum(-1)
+    sums = p.sum(-1) * scale.squeeze(-1)  # the quantized activations' sum: the minimum's term stays consistent
+    y = (dots * step[None] * scale.transpose(1, 2)).sum(-1) + (sums[:, None, :] * low[None]).sum(-1)
     return y if bias is None else y + bias

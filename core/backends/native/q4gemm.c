@@ -2,9 +2,13 @@
  *
  * y (M×N, bf16) = x (M×K, bf16) · Wᵀ + bias, with W stored as GGUF Q4_1 stores it: per group of
  * 32 inputs, w = d·q + m with q in [0, 15]. Each row of x is quantized per group of 32 to int8
- * (a = e·p, p in [-127, 127]), as llama.cpp's Q8_1, so a group's dot product is
- *     Σ w·a = d·e·Σ q·p + m·Σ a,
- * with Σ q·p exact in int32 (AVX-512 VNNI `vpdpbusd`, or AVX2 `vpmaddubsw` + `vpmaddwd`).
+ * (a ≈ e·p, p in [-127, 127]), as llama.cpp's Q8_1, so a group's dot product is
+ *     Σ w·(e·p) = d·e·Σ q·p + m·e·Σ p,
+ * with Σ q·p exact in int32 (AVX-512 VNNI `vpdpbusd`, or AVX2 `vpmaddubsw` + `vpmaddwd`). The
+ * offset's term takes the quantized activations' sum e·Σ p, not the exact Σ a: then the error
+ * is Σ w·(e·p − a), weighted by w, rather than Σ (w − m)·(e·p − a), weighted by d·q in [0, 15d]
+ * (measured on the embedded model: 2.3× the error of a matmul, and 91 % top-1 agreement with
+ * the file's exact logits instead of 96 %).
  *
  * Why: torch's int4 CPU matmul unpacks the weights again for every block of 4 rows, so a tree of
  * 8 or 16 nodes costs 2–4× one row. Here a group of weights is unpacked once into registers and
@@ -24,7 +28,7 @@
  * at 1–8B shapes: 4–8 rows 10–25 % faster; one row streams at memory speed without it). */
 #define PF 4
 
-int q4_version(void) { return 5; }
+int q4_version(void) { return 6; }
 
 /* bf16 weights (N×K, N % 16 == 0, K % 32 == 0) → the kernel's layout in one pass, as core/q4.py's
  * quantize (4 bits: step = (max − min)/15 and q = round((w − min)/step) per group, d and m float16
@@ -87,10 +91,11 @@ T512 static void quantize_512(const uint16_t *x, int64_t k, int8_t *p, float *e,
     float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
     float scale = amax / 127.0f;
     __m512 inv = _mm512_set1_ps(scale != 0.0f ? 127.0f / amax : 0.0f);
-    _mm_storeu_si128((void *)(p + g * GROUP), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a0, inv))));
-    _mm_storeu_si128((void *)(p + g * GROUP + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a1, inv))));
+    __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(a0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(a1, inv));
+    _mm_storeu_si128((void *)(p + g * GROUP), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128((void *)(p + g * GROUP + 16), _mm512_cvtsepi32_epi8(q1));
     e[g] = scale;
-    s[g] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    s[g] = scale * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)); /* Σ of the quantized a: see q4_run */
   }
 }
 
@@ -276,7 +281,8 @@ T256 static void quantize_256(const uint16_t *x, int64_t k, int8_t *p, float *e,
     bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256((void *)(p + g * GROUP), bytes);
     e[g] = scale;
-    s[g] = hsum256(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+    __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    s[g] = scale * hsum256(_mm256_cvtepi32_ps(sum)); /* Σ of the quantized a: see q4_run */
   }
 }
 
