@@ -19,8 +19,8 @@ static inline float bf16_to_float(uint16_t b) {
   return f;
 }
 
-/* e^x as 2^n · e^r, r = x - n·ln 2 (ln 2 in two parts), e^r by a polynomial: exp_neg's constants,
- * and step.c's vector loop's (EXPS). */
+/* e^x as 2^n · e^r, r = x - n·ln 2 (ln 2 in two parts), e^r by a polynomial, to about 2 ulp (0
+ * below -87): step.c's vector loop's constants (EXPS). */
 #define EXP_FLOOR -87.0f
 #define EXP_LOG2E 1.44269504f
 #define EXP_LN2_HI 0.693359375f
@@ -31,23 +31,6 @@ static inline float bf16_to_float(uint16_t b) {
 #define EXP_P3 4.1665795894e-2f
 #define EXP_P4 1.6666665459e-1f
 #define EXP_P5 5.0000001201e-1f
-
-static inline float exp_neg(float x) { /* e^x for x <= 0, to about 2 ulp (0 below -87) */
-  x = x < EXP_FLOOR ? EXP_FLOOR : x;
-  float n = __builtin_rintf(x * EXP_LOG2E);
-  float r = x - n * EXP_LN2_HI + n * EXP_LN2_LO;
-  float p = EXP_P0;
-  p = p * r + EXP_P1;
-  p = p * r + EXP_P2;
-  p = p * r + EXP_P3;
-  p = p * r + EXP_P4;
-  p = p * r + EXP_P5;
-  p = p * r * r + r + 1.0f;
-  int32_t bits = ((int32_t)n + 127) << 23;
-  float scale;
-  memcpy(&scale, &bits, 4);
-  return p * scale;
-}
 
 static inline uint16_t float_to_bf16(float f) { /* round to nearest even */
   uint32_t bits;
@@ -70,6 +53,10 @@ typedef struct {
 } q4_layer;
 
 int q4_run(const q4_layer *layer, int isa, int threads, int64_t rows, const uint16_t *x, int64_t ldx, uint16_t *y);
+
+/* step.c's vector e^x for x <= 0, in place (count a multiple of 16, or of 8 for the AVX2 one). */
+void exps512(int64_t count, float *x);
+void exps256(int64_t count, float *x);
 
 /* step.c's attention of t rows (mask rows ldm apart; keys before `open` seen by every row) and
  * the first key some row does not see. */

@@ -30,26 +30,28 @@ typedef struct {
   const q4_block *blocks;
 } q4_model;
 
-static inline float sigmoid_times(float x, float z) { /* x·σ(z), through e^y for y <= 0 */
-  float e = exp_neg(z >= 0.0f ? -z : z);
-  return z >= 0.0f ? x / (1.0f + e) : x * e / (1.0f + e);
-}
+#define GELU_K 1.5957691216057308f /* GELU-tanh: ½g(1 + tanh u) = g·σ(2u), 2u = GELU_K·(g + 0.044715g³) */
 
-static inline float silu(float g) { return sigmoid_times(g, g); }
-
-static inline float gelu_tanh(float g) { /* ½g(1 + tanh u) = g·σ(2u), u = √(2/π)(g + 0.044715g³) */
-  return sigmoid_times(g, 1.5957691216057308f * (g + 0.044715f * g * g * g));
-}
-
-#define ELEMENTWISE(NAME, TARGET)                                                                                    \
+#define ELEMENTWISE(NAME, TARGET, VEC, W, P, LOAD_BF, ROUND_BF, EXPS)                                                \
   TARGET static void NAME##_add(int64_t n, uint16_t *x, const uint16_t *y) {                                         \
     _Pragma("omp simd") for (int64_t i = 0; i < n; i++) x[i] = float_to_bf16(bf(x[i]) + bf(y[i]));                   \
   }                                                                                                                  \
-  TARGET static void NAME##_swiglu(int64_t n, const uint16_t *g, const uint16_t *u, uint16_t *m) {                   \
-    _Pragma("omp simd") for (int64_t i = 0; i < n; i++) m[i] = float_to_bf16(bf(float_to_bf16(silu(bf(g[i])))) * bf(u[i])); \
-  }                                                                                                                  \
-  TARGET static void NAME##_geglu(int64_t n, const uint16_t *g, const uint16_t *u, uint16_t *m) {                    \
-    _Pragma("omp simd") for (int64_t i = 0; i < n; i++) m[i] = float_to_bf16(bf(float_to_bf16(gelu_tanh(bf(g[i])))) * bf(u[i])); \
+  /* m = act(g)·u (n a multiple of W), act(g) = g·σ(z) rounded to bf16 as torch's bf16 activation is, z = g     \
+   * (SiLU) or 2u (GELU-tanh); σ(z) through e^-|z| in vectors (z: scratch of n rounded up to 16 floats). */       \
+  TARGET static void NAME##_glu(int64_t n, int gelu, const uint16_t *g, const uint16_t *u, uint16_t *m, float *z) {  \
+    const VEC zero = P##_setzero_ps(), one = P##_set1_ps(1.0f), k = P##_set1_ps(GELU_K), c = P##_set1_ps(0.044715f); \
+    for (int64_t i = 0; i < n; i += W) {                                                                             \
+      VEC x = LOAD_BF(g + i), a = x;                                                                                 \
+      if (gelu) a = P##_mul_ps(k, P##_fmadd_ps(P##_mul_ps(c, x), P##_mul_ps(x, x), x));                              \
+      P##_storeu_ps(z + i, P##_min_ps(a, P##_sub_ps(zero, a)));                                                      \
+    }                                                                                                                \
+    EXPS((n + 15) / 16 * 16, z);                                                                                     \
+    for (int64_t i = 0; i < n; i += W) {                                                                             \
+      VEC x = LOAD_BF(g + i), a = x, e = P##_loadu_ps(z + i);                                                        \
+      if (gelu) a = P##_mul_ps(k, P##_fmadd_ps(P##_mul_ps(c, x), P##_mul_ps(x, x), x));                              \
+      VEC act = P##_div_ps(NAME##_pick(a, x, P##_mul_ps(x, e)), P##_add_ps(one, e));                                 \
+      NAME##_store(m + i, ROUND_BF(P##_mul_ps(ROUND_BF(act), LOAD_BF(u + i))));                                      \
+    }                                                                                                                \
   }                                                                                                                  \
   TARGET static void NAME##_rope(int64_t heads, int64_t d, uint16_t *x, const uint16_t *cos, const uint16_t *sin) {  \
     float row[512];                                                                                                  \
@@ -64,8 +66,36 @@ static inline float gelu_tanh(float g) { /* ½g(1 + tanh u) = g·σ(2u), u = √
     }                                                                                                                \
   }
 
-ELEMENTWISE(e512, T512)
-ELEMENTWISE(e256, T256)
+T512 static inline __m512 e512_pick(__m512 a, __m512 yes, __m512 no) { /* a >= 0 ? yes : no */
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GE_OQ), no, yes);
+}
+T256 static inline __m256 e256_pick(__m256 a, __m256 yes, __m256 no) {
+  return _mm256_blendv_ps(no, yes, _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_GE_OQ));
+}
+T512 static inline void e512_store(uint16_t *y, __m512 v) { /* v's lanes already bf16 values */
+  _mm256_storeu_si256((void *)y, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+T256 static inline void e256_store(uint16_t *y, __m256 v) {
+  __m256i r = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+  _mm_storeu_si128((void *)y, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+T512 static inline __m512 round_bf512(__m512 v) { /* to the nearest bf16, ties to even (NaN: not kept) */
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32((int)0xffff0000u)));
+}
+T256 static inline __m256 round_bf256(__m256 v) {
+  __m256i bits = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  bits = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  return _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32((int)0xffff0000u)));
+}
+#define LOAD_BF512(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(p))), 16))
+#define LOAD_BF256(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const void *)(p))), 16))
+
+ELEMENTWISE(e512, T512, __m512, 16, _mm512, LOAD_BF512, round_bf512, exps512)
+ELEMENTWISE(e256, T256, __m256, 8, _mm256, LOAD_BF256, round_bf256, exps256)
 
 /* The keys a sliding-window layer's rows see, over keys [*lo, length): the keys before *lo are
  * seen by no row (they are skipped: an unseen key adds nothing, so this changes no bits). A key
@@ -137,7 +167,12 @@ int q4_decode(const q4_model *model, int isa, int threads, int64_t t, uint16_t *
   if (d > 512 || d % 16) return -2;
   size_t scratch = (size_t)(t * (hidden + width + q + hidden + 2 * inner + inner) + t * length);
   uint16_t *h = malloc(sizeof(uint16_t) * scratch);
-  if (!h) return -1;
+  float *z = malloc(sizeof(float) * (size_t)((inner + 15) / 16 * 16));
+  if (!h || !z) {
+    free(h);
+    free(z);
+    return -1;
+  }
   uint16_t *qkv = h + t * hidden, *a = qkv + t * width, *o = a + t * q, *gu = o + t * hidden, *m = gu + t * 2 * inner;
   uint16_t *room = m + t * inner;
   int code = 0, wide = (int)model->gemma;
@@ -156,15 +191,13 @@ int q4_decode(const q4_model *model, int isa, int threads, int64_t t, uint16_t *
     code |= q4_run(b->gate_up, isa, threads, t, h, hidden, gu);
     for (int64_t r = 0; r < t; r++) {
       const uint16_t *g = gu + r * 2 * inner, *u = g + inner;
-      if (model->act)
-        (isa == 2 ? e512_geglu : e256_geglu)(inner, g, u, m + r * inner);
-      else
-        (isa == 2 ? e512_swiglu : e256_swiglu)(inner, g, u, m + r * inner);
+      (isa == 2 ? e512_glu : e256_glu)(inner, (int)model->act, g, u, m + r * inner, z);
     }
     code |= q4_run(b->down, isa, threads, t, m, inner, o);
     if (b->post_mlp) q4_rmsnorm(isa, t, hidden, o, hidden, b->post_mlp, wide, model->eps, o);
     (isa == 2 ? e512_add : e256_add)(t * hidden, x, o);
   }
   free(h);
+  free(z);
   return code ? -1 : 0;
 }

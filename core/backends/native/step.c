@@ -134,9 +134,10 @@ static inline float bf(uint16_t b) { return bf16_to_float(b); }
     }                                                                                                                \
   }
 
-/* x ← e^x lane by lane for x <= 0 (exp_neg's method: 2^n · a polynomial in the remainder). */
+/* x ← e^x lane by lane for x <= 0 (2^n · a polynomial in the remainder: common.h's EXP_*); count
+ * a multiple of the lanes. Also decode.c's gated activations (common.h). */
 #define EXPS(NAME, TARGET, VEC, VECI, W, P, ROUND, CAST)                                                            \
-  TARGET static void NAME(int64_t count, float *x) {                                                                 \
+  TARGET void NAME(int64_t count, float *x) {                                                                        \
     for (int64_t j = 0; j < count; j += W) {                                                                         \
       VEC y = P##_max_ps(P##_loadu_ps(x + j), P##_set1_ps(EXP_FLOOR));                                               \
       VEC n = ROUND(P##_mul_ps(y, P##_set1_ps(EXP_LOG2E)));                                                          \
