@@ -44,6 +44,30 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even */
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 #define T256 __attribute__((target("avx2,fma,f16c")))
 
+/* 8 or 16 bf16 values → float lanes; float lanes → the nearest bf16 values (ties to even; a NaN is
+ * not kept one), still as floats; lanes that hold bf16 values → stored as bf16. */
+#define LOAD_BF256(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define LOAD_BF512(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+T256 static inline __m256 round_bf256(__m256 v) {
+  __m256i bits = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  bits = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  return _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32((int)0xffff0000u)));
+}
+T512 static inline __m512 round_bf512(__m512 v) {
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32((int)0xffff0000u)));
+}
+T256 static inline void store_bf256(uint16_t *y, __m256 v) {
+  __m256i r = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+  _mm_storeu_si128((void *)y, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+T512 static inline void store_bf512(uint16_t *y, __m512 v) {
+  _mm256_storeu_si256((void *)y, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+
 /* One packed weight (core/q4.py's Layer). */
 typedef struct {
   int64_t n, k, bits; /* bits: 4 or 8 */

@@ -32,7 +32,7 @@ typedef struct {
 
 #define GELU_K 1.5957691216057308f /* GELU-tanh: ½g(1 + tanh u) = g·σ(2u), 2u = GELU_K·(g + 0.044715g³) */
 
-#define ELEMENTWISE(NAME, TARGET, VEC, W, P, LOAD_BF, ROUND_BF, EXPS)                                                \
+#define ELEMENTWISE(NAME, TARGET, VEC, W, P, LOAD_BF, ROUND_BF, STORE_BF, EXPS)                                                \
   TARGET static void NAME##_add(int64_t n, uint16_t *x, const uint16_t *y) {                                         \
     _Pragma("omp simd") for (int64_t i = 0; i < n; i++) x[i] = float_to_bf16(bf(x[i]) + bf(y[i]));                   \
   }                                                                                                                  \
@@ -50,7 +50,7 @@ typedef struct {
       VEC x = LOAD_BF(g + i), a = x, e = P##_loadu_ps(z + i);                                                        \
       if (gelu) a = P##_mul_ps(k, P##_fmadd_ps(P##_mul_ps(c, x), P##_mul_ps(x, x), x));                              \
       VEC act = P##_div_ps(NAME##_pick(a, x, P##_mul_ps(x, e)), P##_add_ps(one, e));                                 \
-      NAME##_store(m + i, ROUND_BF(P##_mul_ps(ROUND_BF(act), LOAD_BF(u + i))));                                      \
+      STORE_BF(m + i, ROUND_BF(P##_mul_ps(ROUND_BF(act), LOAD_BF(u + i))));                                      \
     }                                                                                                                \
   }                                                                                                                  \
   TARGET static void NAME##_rope(int64_t heads, int64_t d, uint16_t *x, const uint16_t *cos, const uint16_t *sin) {  \
@@ -72,30 +72,8 @@ T512 static inline __m512 e512_pick(__m512 a, __m512 yes, __m512 no) { /* a >= 0
 T256 static inline __m256 e256_pick(__m256 a, __m256 yes, __m256 no) {
   return _mm256_blendv_ps(no, yes, _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_GE_OQ));
 }
-T512 static inline void e512_store(uint16_t *y, __m512 v) { /* v's lanes already bf16 values */
-  _mm256_storeu_si256((void *)y, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
-}
-T256 static inline void e256_store(uint16_t *y, __m256 v) {
-  __m256i r = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
-  _mm_storeu_si128((void *)y, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
-}
-T512 static inline __m512 round_bf512(__m512 v) { /* to the nearest bf16, ties to even (NaN: not kept) */
-  __m512i bits = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32((int)0xffff0000u)));
-}
-T256 static inline __m256 round_bf256(__m256 v) {
-  __m256i bits = _mm256_castps_si256(v);
-  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  bits = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-  return _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32((int)0xffff0000u)));
-}
-#define LOAD_BF512(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(p))), 16))
-#define LOAD_BF256(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const void *)(p))), 16))
-
-ELEMENTWISE(e512, T512, __m512, 16, _mm512, LOAD_BF512, round_bf512, exps512)
-ELEMENTWISE(e256, T256, __m256, 8, _mm256, LOAD_BF256, round_bf256, exps256)
+ELEMENTWISE(e512, T512, __m512, 16, _mm512, LOAD_BF512, round_bf512, store_bf512, exps512)
+ELEMENTWISE(e256, T256, __m256, 8, _mm256, LOAD_BF256, round_bf256, store_bf256, exps256)
 
 /* The keys a sliding-window layer's rows see, over keys [*lo, length): the keys before *lo are
  * seen by no row (they are skipped: an unseen key adds nothing, so this changes no bits). A key

@@ -28,7 +28,7 @@
  * at 1–8B shapes: 4–8 rows 10–25 % faster; one row streams at memory speed without it). */
 #define PF 4
 
-int q4_version(void) { return 8; }
+int q4_version(void) { return 9; }
 
 /* bf16 weights (N×K, N % 16 == 0, K % 32 == 0) → the kernel's layout in one pass, as core/q4.py's
  * quantize (4 bits: step = (max − min)/15 and q = round((w − min)/step) per group, d and m float16
@@ -99,20 +99,13 @@ T512 static void quantize_512(const uint16_t *x, int64_t k, int8_t *p, float *e,
   }
 }
 
-T512 static inline void store_bf16_512(uint16_t *y, __m512 v) {
-  __m512i bits = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  _mm256_storeu_si256((void *)y, _mm512_cvtepi32_epi16(rounded));
-}
-
 /* The rows' float sums (rows × 32, `tiles` × 16 used) plus the bias, as bf16 outputs. */
 T512 static void store_rows512(int tiles, int64_t rows, const float *acc, const float *bias, uint16_t *y,
                                int64_t ldy) {
   for (int t = 0; t < tiles; t++) {
     __m512 bv = bias ? _mm512_loadu_ps(bias + 16 * t) : _mm512_setzero_ps();
     for (int64_t r = 0; r < rows; r++)
-      store_bf16_512(y + r * ldy + 16 * t, _mm512_add_ps(_mm512_loadu_ps(acc + r * 32 + 16 * t), bv));
+      store_bf512(y + r * ldy + 16 * t, round_bf512(_mm512_add_ps(_mm512_loadu_ps(acc + r * 32 + 16 * t), bv)));
   }
 }
 
@@ -224,7 +217,7 @@ PAIR512(2)
     }                                                                                                                \
     for (int t = 0; t < 2; t++) {                                                                                    \
       __m512 bv = bias ? _mm512_loadu_ps(bias + 16 * t) : _mm512_setzero_ps();                                       \
-      for (int r = 0; r < R; r++) store_bf16_512(y + r * ldy + 16 * t, _mm512_add_ps(acc[r][t], bv));              \
+      for (int r = 0; r < R; r++) store_bf512(y + r * ldy + 16 * t, round_bf512(_mm512_add_ps(acc[r][t], bv)));          \
     }                                                                                                                \
   }
 
@@ -257,10 +250,6 @@ T256 static inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(h);
 }
 
-T256 static inline __m256 load8_bf16(const uint16_t *x) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const void *)x)), 16));
-}
-
 T256 static void quantize_256(const uint16_t *x, int64_t k, int8_t *p, float *e, float *s) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t g = 0; g < k / GROUP; g++) {
@@ -268,7 +257,7 @@ T256 static void quantize_256(const uint16_t *x, int64_t k, int8_t *p, float *e,
     __m256 a[4];
     __m256 mx = _mm256_setzero_ps();
     for (int i = 0; i < 4; i++) {
-      a[i] = load8_bf16(xg + 8 * i);
+      a[i] = LOAD_BF256(xg + 8 * i);
       mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, a[i]));
     }
     float amax = hmax256(mx);
@@ -284,14 +273,6 @@ T256 static void quantize_256(const uint16_t *x, int64_t k, int8_t *p, float *e,
     __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
     s[g] = scale * hsum256(_mm256_cvtepi32_ps(sum)); /* Σ of the quantized a: see q4_run */
   }
-}
-
-T256 static inline void store_bf16_256(uint16_t *y, __m256 v) {
-  __m256i bits = _mm256_castps_si256(v);
-  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-  __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-  _mm_storeu_si128((void *)y, packed);
 }
 
 /* Rows [0, R) of one tile, both halves (8 outputs each) from one broadcast of the activations.
@@ -339,7 +320,7 @@ T256 static inline void store_bf16_256(uint16_t *y, __m256 v) {
     for (int half = 0; half < 2; half++) {                                                                           \
       __m256 bv = bias ? _mm256_loadu_ps(bias + 8 * half) : _mm256_setzero_ps();                                     \
       for (int r = 0; r < R; r++)                                                                                    \
-        store_bf16_256(y + r * ldy + 8 * half, _mm256_add_ps(_mm256_loadu_ps(acc[r] + 8 * half), bv));              \
+        store_bf256(y + r * ldy + 8 * half, round_bf256(_mm256_add_ps(_mm256_loadu_ps(acc[r] + 8 * half), bv))); \
     }                                                                                                                \
   }
 
@@ -425,7 +406,7 @@ PAIR512_8(2)
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(dg, _mm256_set1_ps(e[r * (k / GROUP) + g])), acc[r]); \
       }                                                                                                              \
       __m256 bv = bias ? _mm256_loadu_ps(bias + 8 * half) : _mm256_setzero_ps();                                     \
-      for (int r = 0; r < R; r++) store_bf16_256(y + r * ldy + 8 * half, _mm256_add_ps(acc[r], bv));               \
+      for (int r = 0; r < R; r++) store_bf256(y + r * ldy + 8 * half, round_bf256(_mm256_add_ps(acc[r], bv)));     \
     }                                                                                                                \
   }
 

@@ -18,8 +18,6 @@ static inline float bf(uint16_t b) { return bf16_to_float(b); }
 #define ALWAYS static inline __attribute__((always_inline))
 #define GROUP_Q 3 /* queries whose scores and weighted values are made together (registers) */
 
-#define LOAD_BF256(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
-#define LOAD_BF512(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 /* Four 8-lane partial sums → their four sums, each ((l0+l4) + (l1+l5)) + ((l2+l6) + (l3+l7)). */
 #define REDUCE4_256(r0, r1, r2, r3)                                                                                  \
   ({                                                                                                                 \
