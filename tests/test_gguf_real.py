@@ -196,9 +196,6 @@ def test_generate_with_the_gemma3_file_copies_with_the_lookup_drafter_as_the_pla
     assert _words(follows).startswith(_words(reply["text"])[:50])
 
 
-# ---- files the app cannot run: one sentence, exit 2 ----
-
-
 def test_a_gguf_files_tokenizer_loads_as_serialized_and_tokenizes_as_its_family_class(gemma):
     """The tokenizer.json of a file's description, loaded as it is (not rebuilt by GemmaTokenizer
     from vocabulary and merges): the same ids for this repository's docs, special tokens and odd
@@ -226,6 +223,9 @@ def test_a_gguf_files_tokenizer_loads_as_serialized_and_tokenizes_as_its_family_
             assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True)
         for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
             assert getattr(ours, name) == getattr(theirs, name), name
+
+
+# ---- files the app cannot run: one sentence, exit 2 ----
 
 
 def _unsupported_type(folder):

@@ -37,7 +37,8 @@ typedef struct {
     _Pragma("omp simd") for (int64_t i = 0; i < n; i++) x[i] = float_to_bf16(bf(x[i]) + bf(y[i]));                   \
   }                                                                                                                  \
   /* m = act(g)·u (n a multiple of W), act(g) = g·σ(z) rounded to bf16 as torch's bf16 activation is, z = g     \
-   * (SiLU) or 2u (GELU-tanh); σ(z) through e^-|z| in vectors (z: scratch of n rounded up to 16 floats). */       \
+   * (SiLU) or 2u (GELU-tanh), whose sign is g's; σ(z) through e^-|z| in vectors (z: scratch of n rounded up to   \
+   * 16 floats). */                                                                                                 \
   TARGET static void NAME##_glu(int64_t n, int gelu, const uint16_t *g, const uint16_t *u, uint16_t *m, float *z) {  \
     const VEC zero = P##_setzero_ps(), one = P##_set1_ps(1.0f), k = P##_set1_ps(GELU_K), c = P##_set1_ps(0.044715f); \
     for (int64_t i = 0; i < n; i += W) {                                                                             \
@@ -47,9 +48,8 @@ typedef struct {
     }                                                                                                                \
     EXPS((n + 15) / 16 * 16, z);                                                                                     \
     for (int64_t i = 0; i < n; i += W) {                                                                             \
-      VEC x = LOAD_BF(g + i), a = x, e = P##_loadu_ps(z + i);                                                        \
-      if (gelu) a = P##_mul_ps(k, P##_fmadd_ps(P##_mul_ps(c, x), P##_mul_ps(x, x), x));                              \
-      VEC act = P##_div_ps(NAME##_pick(a, x, P##_mul_ps(x, e)), P##_add_ps(one, e));                                 \
+      VEC x = LOAD_BF(g + i), e = P##_loadu_ps(z + i);                                                               \
+      VEC act = P##_div_ps(NAME##_pick(x, x, P##_mul_ps(x, e)), P##_add_ps(one, e));                                 \
       STORE_BF(m + i, ROUND_BF(P##_mul_ps(ROUND_BF(act), LOAD_BF(u + i))));                                      \
     }                                                                                                                \
   }                                                                                                                  \

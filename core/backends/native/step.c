@@ -132,7 +132,20 @@ static inline float bf(uint16_t b) { return bf16_to_float(b); }
     }                                                                                                                \
   }
 
-/* x ← e^x lane by lane for x <= 0 (2^n · a polynomial in the remainder: common.h's EXP_*); count
+/* e^x as 2^n · e^r, r = x - n·ln 2 (ln 2 in two parts), e^r by a polynomial, to about 2 ulp (0
+ * below -87): EXPS's constants. */
+#define EXP_FLOOR -87.0f
+#define EXP_LOG2E 1.44269504f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO 2.12194440e-4f /* subtracted: ln 2 = EXP_LN2_HI - EXP_LN2_LO */
+#define EXP_P0 1.9875691500e-4f
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
+
+/* x ← e^x lane by lane for x <= 0 (2^n · a polynomial in the remainder: EXP_*); count
  * a multiple of the lanes. Also decode.c's gated activations (common.h). */
 #define EXPS(NAME, TARGET, VEC, VECI, W, P, ROUND, CAST)                                                            \
   TARGET void NAME(int64_t count, float *x) {                                                                        \
