@@ -269,6 +269,9 @@ def _backend(model: PreTrainedModel, choice: kernels.Choice | None, quant: str) 
     transformers' own forward, its linear layers transposed in float32 on the CPU)."""
     if choice is not None:
         record = cache_dir() / "cpu-kernels.json"  # the lm_head's by-node choice is remembered with the kernels'
+        if {choice.kernel, choice.head_kernel} & {"q4", "q8"}:
+            text = model.config.get_text_config()
+            q4.use_amx(kernels.amx_rows(text.hidden_size, text.intermediate_size, record))
         with direct.large_blocks_apart():
             return lean.accelerate(model, choice.kernel, choice.head_kernel, lambda h: kernels.head_by_row(h, record))
     if model.device.type == "cpu" and model.dtype == torch.float32 and quant == "none":

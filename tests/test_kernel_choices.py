@@ -164,3 +164,56 @@ def test_the_profile_states_one_more_rows_floor():
     assert floor.measured_ms[8] == pytest.approx((costs[2].total_ms - costs[0].total_ms) / 7)
     line = profile.floor_line(floor)
     assert f"{floor.floor_ms:.2f} ms" in line and "(to 8)" in line
+
+
+def test_the_amx_row_count_is_remembered_and_moves_only_on_a_clear_ratio(tmp_path, monkeypatch):
+    """From which row count AMX runs: the smallest from which it wins at every count timed,
+    measured once (five launches, one measurement), kept over a remeasurement (a new kernel
+    library) unless the ratio at the remembered count is clearly on one side."""
+    _library()
+    monkeypatch.setattr(q4, "amx", lambda: True)
+    key = kernels._key("amx rows 64x128")
+    old_key = kernels._LIBRARY_ID.sub("|kernels 000000000000", key)
+    base = {2: 0.6, 4: 0.8, 8: 1.05, 12: 1.3, 16: 1.6, 32: 1.9}  # VNNI's time over AMX's
+    calls = []
+
+    def ratios(hidden, inner, table):
+        calls.append(table)
+        return table
+
+    for table, earlier, want in (
+        (base, None, 8),
+        (base, 4, 8),  # 4 loses clearly (0.8): the new count
+        (base, 12, 8),  # 12 wins clearly (1.3): AMX from 8 wins at every larger count, so 8
+        ({**base, 8: 0.97, 12: 1.04}, 8, 8),  # at 8 within 10 %: the remembered 8 stays
+        ({**base, 8: 0.97, 12: 1.04}, None, 12),
+        ({r: 0.9 for r in base}, None, 0),  # AMX never wins
+        ({**base, 16: 0.95}, None, 32),  # wins at every count from 32 only
+    ):
+        record = _record(tmp_path, {} if earlier is None else {old_key: earlier})
+        monkeypatch.setattr(kernels, "_amx_ratios", lambda h, i, table=table: ratios(h, i, table))
+        calls.clear()
+        for _launch in range(5):
+            assert kernels.amx_rows(64, 128, record) == want
+        assert len(calls) == 1, "measured once"
+        assert json.loads(record.read_text())[key] == want
+    monkeypatch.setattr(q4, "amx", lambda: False)
+    monkeypatch.setattr(kernels, "_amx_ratios", lambda h, i: pytest.fail("measured without AMX"))
+    assert kernels.amx_rows(64, 128, tmp_path / "none.json") == 0
+
+
+def test_the_amx_row_count_is_measured_on_this_machine(tmp_path):
+    """Where AMX runs, a real measurement: ratios at every timed count, a count among them (or 0),
+    and the library set to it."""
+    _library()
+    if not q4.amx():
+        pytest.skip("no AMX here")
+    ratios = kernels._amx_ratios(64, 256)
+    assert set(ratios) == set(kernels.AMX_ROWS) and all(r > 0 for r in ratios.values())
+    rows = kernels.amx_rows(64, 256, tmp_path / "record.json")
+    assert rows in (0, *kernels.AMX_ROWS)
+    q4.use_amx(rows)
+    try:
+        assert q4.amx_from() == rows
+    finally:
+        q4.use_amx(0)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from core.backends import lean as fast
-from core.backends import q4, quantize
+from core.backends import q4, quantize, stepops
 from tests.helpers import library_builds
 
 
@@ -145,11 +145,11 @@ def test_without_a_compiler_the_reason_is_given_and_torch_int4_stays(fresh, monk
     assert fast.PackedLinear(torch.randn(32, 64).to(torch.bfloat16), None, "int4").kernel == "int4"
 
 
-def ops_or_skip(variant: str) -> q4.Ops:
+def ops_or_skip(variant: str) -> stepops.Ops:
     if variant not in variants():
         pytest.skip(f"this CPU does not run the {variant} variant")
     loaded()
-    ops = q4.ops(torch.bfloat16)
+    ops = stepops.ops(torch.bfloat16)
     ops.variant = q4.ISAS[variant]
     return ops
 
@@ -272,3 +272,36 @@ def test_8bit_blocks_put_as_they_are_equal_the_weight_quantized_in_c():
         x = torch.randn(2, 64, generator=gen).bfloat16()
         assert torch.equal(blocks.rows(torch.arange(48), torch.float32), values)
         assert torch.equal(blocks(x), whole(x))
+
+
+def amx_loaded():
+    loaded()
+    if not q4.amx():
+        pytest.skip("no AMX here (or Linux does not grant this process the tile state)")
+
+
+@pytest.fixture
+def amx_off():
+    yield
+    q4.use_amx(0)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_amx_passes_give_the_vnni_passes_bits(bits, amx_off):
+    """Every row count, past a tile of rows and with a partial one (zeros pad it), with a bias:
+    AMX's rows equal VNNI's and a one-row product's bit for bit (the integer sums are exact and
+    the float epilogue is the same), so which path a row count takes changes no output."""
+    amx_loaded()
+    gen = torch.Generator().manual_seed(bits)
+    layer = q4.Packed(q4.library(), torch.randn(80, 320, generator=gen) * 0.05, torch.randn(80, generator=gen), bits)
+    x = torch.randn(40, 320, generator=gen).to(torch.bfloat16)
+    x[3, :7] *= 40  # an outlier sets its group's scale
+    q4.use_amx(0)
+    vnni = {rows: layer(x[:rows]) for rows in (1, 2, 5, 8, 9, 16, 17, 33, 40)}
+    ones = torch.cat([layer(x[r : r + 1]) for r in range(40)])
+    q4.use_amx(1)
+    assert q4.amx_from() == 1
+    for rows, want in vnni.items():
+        got = layer(x[:rows])
+        assert torch.equal(got, want), rows
+        assert torch.equal(got, ones[:rows]), rows

@@ -4,7 +4,8 @@ layers): built here with the C compiler, cached, and loaded.
 torch's int4 CPU matmul unpacks the weights again for every block of 4 rows, so verifying a tree
 of 8 or 16 nodes costs 2–4× a one-token step. `q4gemm.c` unpacks a group of weights once and uses
 it for 8 rows (int8 activations, integer dot products: AVX-512 VNNI, or AVX2), so a tree's
-verify costs about what reading the weights costs.
+verify costs about what reading the weights costs. Where the CPU has AMX, calls of many rows run
+on its tile unit (`amx.c`, the same bits), from a row count measured here (`use_amx`).
 
 The library is compiled once per source and compiler (under a second) into the user's cache and
 loaded from there on later launches. A cached file that cannot be loaded, reports another
@@ -34,12 +35,16 @@ from torch import Tensor
 from core.backends.quantize import GROUP, reference
 
 NATIVE = Path(__file__).parent / "native"
-SOURCES = (NATIVE / "q4gemm.c", NATIVE / "step.c", NATIVE / "decode.c")  # compiled together, with common.h
-VERSION = 10  # q4_version() of the source above
+SOURCES = (
+    NATIVE / "q4gemm.c",
+    NATIVE / "amx.c",
+    NATIVE / "step.c",
+    NATIVE / "decode.c",
+)  # compiled together, with common.h
+VERSION = 11  # q4_version() of the source above
 TILE = 16  # outputs per tile (inputs per scale: `quantize.GROUP`)
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
 ISAS = {"avx512-vnni": 2, "avx2": 1}  # the kernel variants, as q4_gemm numbers them
-HEAD_STEP, MAX_HEAD = 16, 512  # the head sizes the attention kernel takes (step.c)
 
 _lock = threading.Lock()
 _state: dict = {}  # "lib": the loaded CDLL or None, "why": the reason it is None
@@ -55,6 +60,25 @@ def isa() -> str | None:
     if capability.startswith(("AVX2", "AVX512")) and torch.cpu._is_avx2_supported():
         return "avx2"
     return None
+
+
+def amx() -> bool:
+    """Whether the many-row passes may run on AMX here (amx.c): the CPU has it, the AVX-512 VNNI
+    variant runs (AMX's results equal it bit for bit) and Linux grants this process the tile state."""
+    lib = library()
+    return lib is not None and isa() == "avx512-vnni" and torch.cpu._is_amx_tile_supported() and lib.q4_amx(0) == 0
+
+
+def use_amx(rows: int) -> None:
+    """Run calls of `rows` rows or more on AMX (0: none), where `amx()`."""
+    if amx():
+        library().q4_amx(rows)
+        _state["amx"] = rows
+
+
+def amx_from() -> int:
+    """The row count from which calls run on AMX (0: none)."""
+    return _state.get("amx", 0)
 
 
 def artifact_dir() -> Path:
@@ -162,6 +186,8 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.q4_rmsnorm.restype = None
     lib.q4_decode.argtypes = [ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64]
     lib.q4_decode.restype = ctypes.c_int
+    lib.q4_amx.argtypes = [i64]
+    lib.q4_amx.restype = ctypes.c_int
     return lib
 
 
@@ -332,69 +358,3 @@ def _self_test(lib: ctypes.CDLL) -> None:
     want = reference(x, weight, bias)
     error = float((got - want).abs().max() / want.abs().max())
     assert error < 2e-2, f"its self-test was off by {error:.3f}"
-
-
-class Ops:
-    """The library's bf16 attention and RMSNorm for a decoding step, row by row: a tree's rows get
-    exactly the bits one-token steps would (see q4gemm.c)."""
-
-    MAX_ROWS = 64  # longer blocks (a prompt's prefill) keep torch's attention
-
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self.lib, self.variant = lib, ISAS[isa()]
-
-    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        """(rows, n) bf16 with contiguous rows → the same shape, normalized. A bf16 `weight`:
-        Llama's norm (normalized, rounded, times the weight); a float32 one: Gemma's (times the
-        weight, 1 + its stored one, in float32, rounded once)."""
-        rows, n = x.shape
-        y = torch.empty(rows, n, dtype=torch.bfloat16)
-        wide = int(weight.dtype == torch.float32)
-        self.lib.q4_rmsnorm(
-            self.variant, rows, n, x.data_ptr(), x.stride(0), weight.data_ptr(), wide, eps, y.data_ptr()
-        )
-        return y
-
-    @classmethod
-    def takes(cls, rows: int, mask: Tensor | None, causal: bool, dtype: torch.dtype) -> bool:
-        """Whether the step kernels take a block of `rows` rows: a decoding step (not a causal
-        prefill block), at most `MAX_ROWS` rows, its mask (if any) in the model's dtype."""
-        return not causal and rows <= cls.MAX_ROWS and (mask is None or mask.dtype == dtype)
-
-    @staticmethod
-    def attends(head_dim: int) -> bool:
-        """Whether the attention kernel takes heads of this size."""
-        return head_dim % HEAD_STEP == 0 and head_dim <= MAX_HEAD
-
-    def attention(
-        self, q: Tensor, keys: Tensor, values: Tensor, length: int, mask: Tensor | None, scale: float | None = None
-    ) -> Tensor:
-        """q (t, heads, d) with contiguous heads, keys and values (kv heads, capacity, d), of which
-        the first `length` are used; mask (t, length) bf16, 0 where a key is seen, or None (all
-        seen) → (t, heads · d). `scale`: the scores' (default d^-0.5)."""
-        t, heads, d = q.shape
-        kv, capacity = keys.shape[0], keys.shape[1]
-        out = torch.empty(t, heads * d, dtype=torch.bfloat16)
-        code = self.lib.q4_attention(
-            self.variant, torch.get_num_threads(), t, heads, kv, d, length, q.data_ptr(), q.stride(0),
-            keys.data_ptr(), values.data_ptr(), capacity, None if mask is None else mask.data_ptr(),
-            d**-0.5 if scale is None else scale,
-            out.data_ptr(),
-        )  # fmt: skip
-        raise_for(code, d)
-        return out
-
-
-def raise_for(code: int, head_dim: int) -> None:
-    """The exception a step kernel's return code stands for (0: none)."""
-    if code == -2:
-        raise ValueError(f"the attention kernel does not take heads of size {head_dim} (multiples of {HEAD_STEP})")
-    if code:
-        raise MemoryError("the step kernel could not allocate its scratch memory")
-
-
-def ops(dtype: torch.dtype, device: torch.device | str = "cpu") -> Ops | None:
-    """The library's step ops for a model in `dtype` (bf16 only) on `device` (the CPU only: they
-    read host memory), or None where they do not run."""
-    lib = library() if dtype == torch.bfloat16 and torch.device(device).type == "cpu" else None
-    return None if lib is None else Ops(lib)

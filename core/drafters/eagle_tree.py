@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from core.backends import lean as fast
-from core.backends import q4
+from core.backends import stepops
 from core.decode.tree import EAGLE
 from core.drafters.confident import ConfidenceTree
 from core.drafters.confident import closed as _closed  # noqa: F401 (the tests read it here)
@@ -117,7 +117,7 @@ class EagleDrafter(ConfidenceTree):
             features = self.lean.fused(features)
             # where the library's decoder runs the layer, in causal blocks of the rows it takes (a
             # long prompt's rows otherwise go through torch's attention and matmuls: 0.6 s at 4,000)
-            chunk = q4.Ops.MAX_ROWS if getattr(self.lean, "native", None) is not None else len(ids)
+            chunk = stepops.Ops.MAX_ROWS if getattr(self.lean, "native", None) is not None else len(ids)
             for start in range(0, len(ids), chunk):
                 rows, past = ids[start : start + chunk], self.cache.length
                 positions = torch.arange(self.offset + past, self.offset + past + len(rows), device=ids.device)

@@ -30,6 +30,8 @@ ROWS = (1, 8)  # a plain step and a typical tree step
 WORKING_SET = 48 * 2**20  # bytes of weights cycled through while timing (beyond the CPU cache)
 DRAFT_TIMED = 64 * 2**20  # at most this many bytes of float32 weight timed for a drafting choice (see `drafting`)
 CLEAR_WIN = 1.1  # a remeasured kernel choice replaces the one measured before only when it is this much faster
+AMX_ROWS = (2, 4, 8, 12, 16, 32)  # the row counts timed for AMX (`amx_rows`)
+AMX_REPEATS = 5
 HEAD_REPEATS = 9  # interleaved timings of one and eight rows through the lm_head (their medians compared)
 WITHOUT_LIBRARY = "without the kernel library"  # the key suffix of a choice measured while the library was unavailable
 _LIBRARY_ID = re.compile(r"\|kernels [0-9a-f]+")  # the kernel library's build in a record's key (see `_key`)
@@ -126,6 +128,54 @@ def _head_ratio(head: lean.PackedLinear, rows: int = 8) -> float:
             ones.append(time_ms(lambda: head(x[:1]), repeats=1))
             manys.append(time_ms(lambda: head(x), repeats=1))
     return sorted(manys)[len(manys) // 2] / sorted(ones)[len(ones) // 2]
+
+
+def amx_rows(hidden: int, inner: int, record: Path) -> int:
+    """From how many rows the 4-bit kernels' AMX passes beat their VNNI ones on this model's MLP
+    shapes here (0: at no row count, or no AMX), for `q4.use_amx`. Both give the same bits, so
+    the choice moves only the time. Timed by turns at `AMX_ROWS` (the median of `AMX_REPEATS`):
+    the smallest count from which AMX wins at every count timed. Measured once per machine, shape
+    and kernel library, and remembered; a new measurement keeps the earlier count unless the
+    two differ clearly (`CLEAR_WIN`) at it."""
+    if not q4.amx():
+        return 0
+    key = _key(f"amx rows {hidden}x{inner}")
+    known = _read(record)
+    if isinstance(known.get(key), int):
+        return known[key]
+    ratios = _amx_ratios(hidden, inner)  # VNNI's time over AMX's, by row count
+    winning = [rows for rows in AMX_ROWS if all(ratios[r] > 1 for r in AMX_ROWS if r >= rows)]
+    rows = winning[0] if winning else 0
+    earlier = _earlier(known, key)
+    if isinstance(earlier, int) and earlier in ratios and abs(ratios[earlier] - 1) < CLEAR_WIN - 1:
+        rows = earlier
+    known[key] = rows
+    _write(record, known)
+    return rows
+
+
+def _amx_ratios(hidden: int, inner: int) -> dict[int, float]:
+    """{rows: VNNI's median time over AMX's} through the 4-bit kernel on an MLP's two shapes."""
+    count = max(1, min(8, WORKING_SET // (inner * hidden)))  # 4-bit weights, beyond the CPU cache
+    gen = torch.Generator().manual_seed(0)
+    lib = q4.library()
+    layers = [
+        q4.Packed(lib, torch.randn(o, i, generator=gen) * 0.05, None)
+        for _ in range(count)
+        for o, i in ((inner, hidden), (hidden, inner))
+    ]
+    ratios = {}
+    with torch.inference_mode():
+        for rows in AMX_ROWS:
+            x = {i: torch.randn(rows, i, generator=gen).to(torch.bfloat16) for i in (hidden, inner)}
+            times: dict[int, list[float]] = {0: [], 1: []}
+            for _ in range(AMX_REPEATS):
+                for on in (0, 1):
+                    q4.use_amx(on)
+                    times[on].append(time_ms(lambda x=x: [layer(x[layer.k]) for layer in layers], repeats=1))
+            ratios[rows] = sorted(times[0])[AMX_REPEATS // 2] / sorted(times[1])[AMX_REPEATS // 2]
+    q4.use_amx(0)
+    return ratios
 
 
 def _remembered_draft(known: dict, key: str) -> tuple[str, str] | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from core.backends import q4
 from core.backends.base import DenseLogits, Logits, OnModel, RowLogits, Taps, project
 from core.backends.lean.forward import LeanForward
 from core.backends.lean.kv import StaticKV
@@ -41,7 +42,8 @@ class LeanBackend(OnModel):
             return "transformers"
         head = getattr(self.model.get_output_embeddings(), "kernel", "dense")
         whole = " in one call" if self.forward.native is not None else ""
-        return f"lean, {kernel} layers{whole}, {head} lm_head{' by node' if self.row_head else ''}"
+        amx = f", AMX from {q4.amx_from()} rows" if q4.amx_from() and {kernel, head} & {"q4", "q8"} else ""
+        return f"lean, {kernel} layers{whole}, {head} lm_head{' by node' if self.row_head else ''}{amx}"
 
     def new_cache(self) -> StaticKV:
         return self.forward.new_cache()

@@ -14,7 +14,7 @@ import itertools
 import torch
 from torch import Tensor, nn
 
-from core.backends import q4
+from core.backends import stepops
 from core.backends.base import Taps
 from core.backends.lean.kv import StaticKV
 from core.backends.lean.layer import LeanLayer, causal_mask, norm, window_mask
@@ -38,7 +38,7 @@ class LeanForward:
         self.ropes = [Rope(base.rotary_emb, self.head_dim, self.dtype, kind) for kind in kinds]
         self.rope_of = [kinds.index(one.kind) if len(kinds) > 1 else 0 for one in self.layers]  # per layer
         self.rope = self.ropes[0]
-        self.final_norm = norm(base.norm, q4.ops(self.dtype, model.device))
+        self.final_norm = norm(base.norm, stepops.ops(self.dtype, model.device))
         self.native = native_decoder(base.layers, config, self.layers, self.rope_of)  # every layer in one call, or None
         self._modules, self._config = base.layers, config
         self._segments: dict[Taps, list[tuple[int, int, Decoder]]] = {}
@@ -66,7 +66,7 @@ class LeanForward:
         if not taps:
             if not run_native(self.native, x, ropes, past, mask, causal, cache, positions=positions):
                 x = self._layers(x, ropes, positions, cache, past, mask, causal, ())[0]
-        elif self.native is not None and q4.Ops.takes(t, mask, causal, x.dtype):
+        elif self.native is not None and stepops.Ops.takes(t, mask, causal, x.dtype):
             tapped += [x.clone()] if 0 in taps else []
             for start, stop, decoder in self._segments_for(taps):
                 run_native(decoder, x, ropes, past, mask, causal, cache, start, positions)
@@ -84,7 +84,7 @@ class LeanForward:
         bits whether a prefill or a step computed them, so a reply that reuses a kept cache (steps'
         entries) reads exactly as one that reads its whole prompt."""
         library = self.native is not None
-        chunk = q4.Ops.MAX_ROWS if library else ids.numel()
+        chunk = stepops.Ops.MAX_ROWS if library else ids.numel()
         every, tapped = [], []
         for start in range(0, ids.numel(), chunk):
             part, past = ids[start : start + chunk], cache.length

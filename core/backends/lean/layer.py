@@ -7,7 +7,7 @@ attention's and on the MLP's output before each residual add, a GELU-tanh gate, 
 attention scale; sliding-window layers get their window as their mask, from the forward).
 
 The norms and a step's attention run on the kernel library's row-by-row ops where they can
-(`core.backends.q4.Ops`), else on torch's.
+(`core.backends.stepops.Ops`), else on torch's.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from core.backends import q4
+from core.backends import stepops
 from core.backends.lean.kv import StaticKV
 from core.backends.lean.rope import rotate
 from core.backends.torch import windows
@@ -50,7 +50,7 @@ class LeanLayer:
         scalar = getattr(config, "query_pre_attn_scalar", None)
         self.scale = None if scalar is None else float(scalar) ** -0.5  # None: head_dim^-0.5
         self.act = act_name(config) or "silu"
-        self.ops = q4.ops(*_dtype_device(layer))  # the library's ops for host tensors only
+        self.ops = stepops.ops(*_dtype_device(layer))  # the library's ops for host tensors only
         attn = layer.self_attn
         self.norm1 = norm(layer.input_layernorm, self.ops)
         self.q_norm = norm(attn.q_norm) if hasattr(attn, "q_norm") else None
@@ -75,7 +75,7 @@ class LeanLayer:
         qk = rotate(qk, *rope)
         cache.keys[i, :, past:end] = qk[:, heads:].transpose(0, 1)
         cache.values[i, :, past:end] = qkv[:, self.q_size + self.kv_size :].view(t, kv, d).transpose(0, 1)
-        if self.ops is not None and self.ops.attends(d) and q4.Ops.takes(t, mask, causal, qk.dtype):
+        if self.ops is not None and self.ops.attends(d) and stepops.Ops.takes(t, mask, causal, qk.dtype):
             seen = None if mask is None else mask[0, 0].contiguous()
             a = self.ops.attention(qk[:, :heads], cache.keys[i], cache.values[i], end, seen, self.scale)
         else:
@@ -151,7 +151,7 @@ class Norm:
     (`weight` then holds 1 + w in float32, what transformers computes on every call). The
     library's row-by-row kernel where `ops` is given, for (T, H) bf16 inputs."""
 
-    def __init__(self, module: nn.Module, ops: q4.Ops | None = None) -> None:
+    def __init__(self, module: nn.Module, ops: stepops.Ops | None = None) -> None:
         self.gemma = unit_offset(module)
         self.weight = (1.0 + module.weight.detach().float()) if self.gemma else module.weight
         self.eps, self.ops, self.shape = eps(module), ops, (module.weight.shape[0],)
@@ -164,6 +164,6 @@ class Norm:
         return torch.rms_norm(x, self.shape, self.weight, self.eps)
 
 
-def norm(module: nn.Module, ops: q4.Ops | None = None) -> Norm | nn.Identity:
+def norm(module: nn.Module, ops: stepops.Ops | None = None) -> Norm | nn.Identity:
     """An RMSNorm module as one fused call (`Norm`); an nn.Identity (a layer without that norm) as itself."""
     return module if isinstance(module, nn.Identity) else Norm(module, ops)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from core.backends import q4
+from core.backends import q4, stepops
 from core.backends.lean.kv import StaticKV
 from core.backends.lean.layer import LeanLayer, Norm
 from core.backends.lean.packed import LIBRARY
@@ -21,12 +21,12 @@ def run_native(
     positions: Tensor | None = None,
 ) -> bool:  # fmt: skip
     """Run the decoder layers in the library (x updated in place) where it takes this step:
-    up to `q4.Ops.MAX_ROWS` rows, not a causal block (a prompt's prefill). False: it did not.
+    up to `stepops.Ops.MAX_ROWS` rows, not a causal block (a prompt's prefill). False: it did not.
     `rope`: (cos, sin), or a list of them (one per rotary table the layers read); `first`: the
     cache layer the decoder's first layer writes (a decoder over some layers); `positions`: the
     rows' positions (needed by sliding-window layers)."""
     t = x.shape[0]
-    if decoder is None or not q4.Ops.takes(t, mask, causal, x.dtype):
+    if decoder is None or not stepops.Ops.takes(t, mask, causal, x.dtype):
         return False
     tables = [rope] if isinstance(rope, tuple) else rope
     cos, sin = (torch.stack([r[i].reshape(t, -1) for r in tables]).contiguous() for i in (0, 1))
@@ -162,7 +162,7 @@ class Decoder:
 
     `layers`: one `Weights` per layer; the tensors must outlive the decoder."""
 
-    def __init__(self, ops: q4.Ops, layers: list[Weights], shape: Shape) -> None:
+    def __init__(self, ops: stepops.Ops, layers: list[Weights], shape: Shape) -> None:
         self.lib, self.variant = ops.lib, ops.variant
         self.layers = layers
         self.windowed = any(w.window for w in layers)
@@ -188,4 +188,4 @@ class Decoder:
             sin.data_ptr(), None if at is None else at.data_ptr(), past, None if mask is None else mask.data_ptr(),
             keys.data_ptr(), values.data_ptr(), keys.shape[2],
         )  # fmt: skip
-        q4.raise_for(code, self.model.head_dim)
+        stepops.raise_for(code, self.model.head_dim)

@@ -55,6 +55,16 @@ T512 static inline void store_bf512(uint16_t *y, __m512 v) {
   _mm256_storeu_si256((void *)y, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
 }
 
+/* The rows' float sums (rows × 32, `tiles` × 16 used) plus the bias, as bf16 outputs. */
+T512 static inline void store_rows512(int tiles, int64_t rows, const float *acc, const float *bias, uint16_t *y,
+                               int64_t ldy) {
+  for (int t = 0; t < tiles; t++) {
+    __m512 bv = bias ? _mm512_loadu_ps(bias + 16 * t) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; r++)
+      store_bf512(y + r * ldy + 16 * t, round_bf512(_mm512_add_ps(_mm512_loadu_ps(acc + r * 32 + 16 * t), bv)));
+  }
+}
+
 /* One packed weight (core/q4.py's Layer). */
 typedef struct {
   int64_t n, k, bits; /* bits: 4 or 8 */
@@ -64,6 +74,11 @@ typedef struct {
 } q4_layer;
 
 int q4_run(const q4_layer *layer, int isa, int threads, int64_t rows, const uint16_t *x, int64_t ldx, uint16_t *y);
+
+/* amx.c: whether q4_run takes AMX for `rows` rows, and the rows' products there. */
+int q4_amx_takes(int64_t rows);
+int q4_amx_run(const q4_layer *layer, int threads, int64_t rows, const int8_t *p, const float *e, const float *s,
+               uint16_t *y);
 
 /* step.c's vector e^x for x <= 0, in place (count a multiple of 16, or of 8 for the AVX2 one). */
 void exps512(int64_t count, float *x);

@@ -28,7 +28,7 @@
  * at 1–8B shapes: 4–8 rows 10–25 % faster; one row streams at memory speed without it). */
 #define PF 4
 
-int q4_version(void) { return 10; }
+int q4_version(void) { return 11; }
 
 /* bf16 weights (N×K, N % 16 == 0, K % 32 == 0) → the kernel's layout in one pass, as core/q4.py's
  * quantize (4 bits: step = (max − min)/15 and q = round((w − min)/step) per group, d and m float16
@@ -96,16 +96,6 @@ T512 static void quantize_512(const uint16_t *x, int64_t k, int8_t *p, float *e,
     _mm_storeu_si128((void *)(p + g * GROUP + 16), _mm512_cvtsepi32_epi8(q1));
     e[g] = scale;
     s[g] = scale * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)); /* Σ of the quantized a: see q4_run */
-  }
-}
-
-/* The rows' float sums (rows × 32, `tiles` × 16 used) plus the bias, as bf16 outputs. */
-T512 static void store_rows512(int tiles, int64_t rows, const float *acc, const float *bias, uint16_t *y,
-                               int64_t ldy) {
-  for (int t = 0; t < tiles; t++) {
-    __m512 bv = bias ? _mm512_loadu_ps(bias + 16 * t) : _mm512_setzero_ps();
-    for (int64_t r = 0; r < rows; r++)
-      store_bf512(y + r * ldy + 16 * t, round_bf512(_mm512_add_ps(_mm512_loadu_ps(acc + r * 32 + 16 * t), bv)));
   }
 }
 
@@ -429,20 +419,33 @@ int q4_run(const q4_layer *layer, int isa, int threads, int64_t rows, const uint
   const uint8_t *w = layer->w;
   const uint16_t *d = layer->d, *m = layer->m;
   const float *bias = layer->bias;
-  int8_t *p = malloc((size_t)(rows * k));
-  float *e = malloc(sizeof(float) * (size_t)(rows * groups) * 2);
+  int amx = isa == 2 && q4_amx_takes(rows);
+  int64_t padded = amx ? (rows + 15) / 16 * 16 : rows; /* AMX reads whole tiles of rows: the rest zeros */
+  int8_t *p = malloc((size_t)(padded * k));
+  float *e = malloc(sizeof(float) * (size_t)(padded * groups) * 2);
   if (!p || !e) {
     free(p);
     free(e);
     return -1;
   }
-  float *s = e + rows * groups;
+  float *s = e + padded * groups;
+  if (padded > rows) {
+    memset(p + rows * k, 0, (size_t)((padded - rows) * k));
+    memset(e + rows * groups, 0, sizeof(float) * (size_t)((padded - rows) * groups));
+    memset(s + rows * groups, 0, sizeof(float) * (size_t)((padded - rows) * groups));
+  }
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * k >= 4096)
   for (int64_t r = 0; r < rows; r++) {
     if (isa == 2)
       quantize_512(x + r * ldx, k, p + r * k, e + r * groups, s + r * groups);
     else
       quantize_256(x + r * ldx, k, p + r * k, e + r * groups, s + r * groups);
+  }
+  if (amx) {
+    int code = q4_amx_run(layer, threads, rows, p, e, s, y);
+    free(p);
+    free(e);
+    return code;
   }
   int eight = layer->bits == 8;
   const int64_t stride = groups * (eight ? TILE_BYTES8 : TILE_BYTES); /* a tile's weight bytes */

@@ -181,7 +181,7 @@ EXPS(exps256, T256, __m256, __m256i, 8, _mm256, ROUND256, _mm256_castsi256_ps)
  * proportional to the queries (a one-token step's 3 queries do not pay for 16 lanes).
  * work: ATTEND_WORK(n, d, length) floats. */
 #define QUERIES 48 /* the most queries one pass over a kv head's keys and values serves */
-#define HEAD_STEP 16 /* head sizes must be multiples of this (core/q4.py HEAD_STEP) */
+#define HEAD_STEP 16 /* head sizes must be multiples of this (core/backends/stepops.py HEAD_STEP) */
 #define KEYS 16
 #define PADDED(length) (((length) + KEYS - 1) / KEYS * KEYS)
 #define ATTEND_WORK(n, d, length) ((n) * (2 * (d) + PADDED(length) + 1))

@@ -1,0 +1,79 @@
+"""The kernel library's step ops (step.c): a decoding step's bf16 attention and RMSNorm, row by
+row, so a tree's rows get exactly the bits one-token steps would (see q4gemm.c)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+from core.backends.q4 import ISAS, isa, library
+
+HEAD_STEP, MAX_HEAD = 16, 512  # the head sizes the attention kernel takes (step.c)
+
+
+class Ops:
+    """The library's bf16 attention and RMSNorm for a decoding step, row by row: a tree's rows get
+    exactly the bits one-token steps would (see q4gemm.c)."""
+
+    MAX_ROWS = 64  # longer blocks (a prompt's prefill) keep torch's attention
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib, self.variant = lib, ISAS[isa()]
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """(rows, n) bf16 with contiguous rows → the same shape, normalized. A bf16 `weight`:
+        Llama's norm (normalized, rounded, times the weight); a float32 one: Gemma's (times the
+        weight, 1 + its stored one, in float32, rounded once)."""
+        rows, n = x.shape
+        y = torch.empty(rows, n, dtype=torch.bfloat16)
+        wide = int(weight.dtype == torch.float32)
+        self.lib.q4_rmsnorm(
+            self.variant, rows, n, x.data_ptr(), x.stride(0), weight.data_ptr(), wide, eps, y.data_ptr()
+        )
+        return y
+
+    @classmethod
+    def takes(cls, rows: int, mask: Tensor | None, causal: bool, dtype: torch.dtype) -> bool:
+        """Whether the step kernels take a block of `rows` rows: a decoding step (not a causal
+        prefill block), at most `MAX_ROWS` rows, its mask (if any) in the model's dtype."""
+        return not causal and rows <= cls.MAX_ROWS and (mask is None or mask.dtype == dtype)
+
+    @staticmethod
+    def attends(head_dim: int) -> bool:
+        """Whether the attention kernel takes heads of this size."""
+        return head_dim % HEAD_STEP == 0 and head_dim <= MAX_HEAD
+
+    def attention(
+        self, q: Tensor, keys: Tensor, values: Tensor, length: int, mask: Tensor | None, scale: float | None = None
+    ) -> Tensor:
+        """q (t, heads, d) with contiguous heads, keys and values (kv heads, capacity, d), of which
+        the first `length` are used; mask (t, length) bf16, 0 where a key is seen, or None (all
+        seen) → (t, heads · d). `scale`: the scores' (default d^-0.5)."""
+        t, heads, d = q.shape
+        kv, capacity = keys.shape[0], keys.shape[1]
+        out = torch.empty(t, heads * d, dtype=torch.bfloat16)
+        code = self.lib.q4_attention(
+            self.variant, torch.get_num_threads(), t, heads, kv, d, length, q.data_ptr(), q.stride(0),
+            keys.data_ptr(), values.data_ptr(), capacity, None if mask is None else mask.data_ptr(),
+            d**-0.5 if scale is None else scale,
+            out.data_ptr(),
+        )  # fmt: skip
+        raise_for(code, d)
+        return out
+
+
+def raise_for(code: int, head_dim: int) -> None:
+    """The exception a step kernel's return code stands for (0: none)."""
+    if code == -2:
+        raise ValueError(f"the attention kernel does not take heads of size {head_dim} (multiples of {HEAD_STEP})")
+    if code:
+        raise MemoryError("the step kernel could not allocate its scratch memory")
+
+
+def ops(dtype: torch.dtype, device: torch.device | str = "cpu") -> Ops | None:
+    """The library's step ops for a model in `dtype` (bf16 only) on `device` (the CPU only: they
+    read host memory), or None where they do not run."""
+    lib = library() if dtype == torch.bfloat16 and torch.device(device).type == "cpu" else None
+    return None if lib is None else Ops(lib)
