@@ -193,7 +193,11 @@ def cpu_choice(config: object | None, dtype: str | None, int4: bool) -> kernels.
     """The dtype and matmul kernels to run `config`'s model with on this CPU (measured once)."""
     hidden = getattr(config, "hidden_size", 1024)
     inner = getattr(config, "intermediate_size", 4 * hidden)
-    return kernels.choose(hidden, inner, dtype, int4, cache_dir() / "cpu-kernels.json")
+    record = cache_dir() / "cpu-kernels.json"
+    if int4:  # the 4-bit kernels' flavors first: the kernels are then timed as they will run
+        q4.use_amx(kernels.amx_rows(hidden, inner, record))
+        q4.use_avx_vnni(kernels.avx_vnni(hidden, inner, record))
+    return kernels.choose(hidden, inner, dtype, int4, record)
 
 
 def load_backbone(
@@ -269,9 +273,6 @@ def _backend(model: PreTrainedModel, choice: kernels.Choice | None, quant: str) 
     transformers' own forward, its linear layers transposed in float32 on the CPU)."""
     if choice is not None:
         record = cache_dir() / "cpu-kernels.json"  # the lm_head's by-node choice is remembered with the kernels'
-        if {choice.kernel, choice.head_kernel} & {"q4", "q8"}:
-            text = model.config.get_text_config()
-            q4.use_amx(kernels.amx_rows(text.hidden_size, text.intermediate_size, record))
         with direct.large_blocks_apart():
             return lean.accelerate(model, choice.kernel, choice.head_kernel, lambda h: kernels.head_by_row(h, record))
     if model.device.type == "cpu" and model.dtype == torch.float32 and quant == "none":

@@ -217,3 +217,25 @@ def test_the_amx_row_count_is_measured_on_this_machine(tmp_path):
         assert q4.amx_from() == rows
     finally:
         q4.use_amx(0)
+
+
+def test_the_avx_vnni_choice_is_remembered_and_turns_only_on_a_clear_ratio(tmp_path, monkeypatch):
+    _library()
+    monkeypatch.setattr(q4, "avx_vnni", lambda: True)
+    key = kernels._key("avx-vnni 64x128")
+    old_key = kernels._LIBRARY_ID.sub("|kernels 000000000000", key)
+    for ratio, earlier, want in ((1.05, False, False), (0.95, True, True), (1.4, False, True), (0.8, True, False)):
+        record = _record(tmp_path, {old_key: earlier})
+        monkeypatch.setattr(kernels, "_avx_vnni_ratio", lambda h, i, ratio=ratio: ratio)
+        assert kernels.avx_vnni(64, 128, record) is want
+        monkeypatch.setattr(kernels, "_avx_vnni_ratio", lambda h, i: pytest.fail("measured again"))
+        for _launch in range(4):
+            assert kernels.avx_vnni(64, 128, record) is want  # remembered: nothing is timed
+    monkeypatch.setattr(q4, "avx_vnni", lambda: False)
+    assert kernels.avx_vnni(64, 128, tmp_path / "none.json") is False
+
+
+def test_avx_vnni_is_not_taken_where_plain_avx2_is_emulated(monkeypatch):
+    _library()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert not q4.avx_vnni()

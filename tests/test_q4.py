@@ -305,3 +305,23 @@ def test_amx_passes_give_the_vnni_passes_bits(bits, amx_off):
         got = layer(x[:rows])
         assert torch.equal(got, want), rows
         assert torch.equal(got, ones[:rows]), rows
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_avx_vnni_passes_give_the_avx2_passes_bits(bits):
+    """The AVX2 variant on AVX-VNNI (256-bit `vpdpbusd`, int32 sums) and on AVX2 alone (int16
+    sums, then int32): the same exact integer sums, so the same bits at every row count."""
+    lib = loaded()
+    if "avx2" not in variants() or lib.q4_avx_vnni(0) != 0:
+        pytest.skip("this CPU has no AVX-VNNI")
+    gen = torch.Generator().manual_seed(10 + bits)
+    layer = q4.Packed(lib, torch.randn(80, 320, generator=gen) * 0.05, torch.randn(80, generator=gen), bits, "avx2")
+    x = torch.randn(11, 320, generator=gen).to(torch.bfloat16)
+    x[2, :7] *= 40
+    try:
+        plain = {rows: layer(x[:rows]) for rows in (1, 3, 4, 5, 11)}
+        assert lib.q4_avx_vnni(1) == 0
+        for rows, want in plain.items():
+            assert torch.equal(layer(x[:rows]), want), rows
+    finally:
+        lib.q4_avx_vnni(0)

@@ -41,7 +41,7 @@ SOURCES = (
     NATIVE / "step.c",
     NATIVE / "decode.c",
 )  # compiled together, with common.h
-VERSION = 11  # q4_version() of the source above
+VERSION = 12  # q4_version() of the source above
 TILE = 16  # outputs per tile (inputs per scale: `quantize.GROUP`)
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
 ISAS = {"avx512-vnni": 2, "avx2": 1}  # the kernel variants, as q4_gemm numbers them
@@ -79,6 +79,28 @@ def use_amx(rows: int) -> None:
 def amx_from() -> int:
     """The row count from which calls run on AMX (0: none)."""
     return _state.get("amx", 0)
+
+
+def avx_vnni() -> bool:
+    """Whether the AVX2 variant may take AVX-VNNI here (256-bit `vpdpbusd`: Intel's client CPUs
+    without AVX-512; the same bits as AVX2's). Not where oneDNN is held to plain AVX2
+    (`ONEDNN_MAX_CPU_ISA=AVX2`, as when an AVX2-only machine is emulated)."""
+    lib = library()
+    plain = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() == "AVX2"
+    return lib is not None and isa() == "avx2" and not plain and lib.q4_avx_vnni(0) == 0
+
+
+def use_avx_vnni(on: bool) -> None:
+    """The AVX2 variant's passes on AVX-VNNI (on) or AVX2 alone, where `avx_vnni()`."""
+    if avx_vnni():
+        library().q4_avx_vnni(int(on))
+        _state["avx-vnni"] = bool(on)
+
+
+def flavors() -> str:
+    """The kernel flavors in use beyond the variant ("" when none): AVX-VNNI, AMX from a row count."""
+    amx = f", AMX from {amx_from()} rows" if amx_from() else ""
+    return f"{', AVX-VNNI' if _state.get('avx-vnni') else ''}{amx}"
 
 
 def artifact_dir() -> Path:
@@ -188,6 +210,8 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.q4_decode.restype = ctypes.c_int
     lib.q4_amx.argtypes = [i64]
     lib.q4_amx.restype = ctypes.c_int
+    lib.q4_avx_vnni.argtypes = [ctypes.c_int]
+    lib.q4_avx_vnni.restype = ctypes.c_int
     return lib
 
 

@@ -31,7 +31,7 @@ WORKING_SET = 48 * 2**20  # bytes of weights cycled through while timing (beyond
 DRAFT_TIMED = 64 * 2**20  # at most this many bytes of float32 weight timed for a drafting choice (see `drafting`)
 CLEAR_WIN = 1.1  # a remeasured kernel choice replaces the one measured before only when it is this much faster
 AMX_ROWS = (2, 4, 8, 12, 16, 32)  # the row counts timed for AMX (`amx_rows`)
-AMX_REPEATS = 5
+FLAVOR_REPEATS = 5  # timings by turns of a kernel flavor on and off (`amx_rows`, `avx_vnni`)
 HEAD_REPEATS = 9  # interleaved timings of one and eight rows through the lm_head (their medians compared)
 WITHOUT_LIBRARY = "without the kernel library"  # the key suffix of a choice measured while the library was unavailable
 _LIBRARY_ID = re.compile(r"\|kernels [0-9a-f]+")  # the kernel library's build in a record's key (see `_key`)
@@ -133,7 +133,7 @@ def _head_ratio(head: lean.PackedLinear, rows: int = 8) -> float:
 def amx_rows(hidden: int, inner: int, record: Path) -> int:
     """From how many rows the 4-bit kernels' AMX passes beat their VNNI ones on this model's MLP
     shapes here (0: at no row count, or no AMX), for `q4.use_amx`. Both give the same bits, so
-    the choice moves only the time. Timed by turns at `AMX_ROWS` (the median of `AMX_REPEATS`):
+    the choice moves only the time. Timed by turns at `AMX_ROWS` (the median of `FLAVOR_REPEATS`):
     the smallest count from which AMX wins at every count timed. Measured once per machine, shape
     and kernel library, and remembered; a new measurement keeps the earlier count unless the
     two differ clearly (`CLEAR_WIN`) at it."""
@@ -156,6 +156,37 @@ def amx_rows(hidden: int, inner: int, record: Path) -> int:
 
 def _amx_ratios(hidden: int, inner: int) -> dict[int, float]:
     """{rows: VNNI's median time over AMX's} through the 4-bit kernel on an MLP's two shapes."""
+    return _by_turns(hidden, inner, AMX_ROWS, lambda on: q4.use_amx(int(on)))
+
+
+def avx_vnni(hidden: int, inner: int, record: Path) -> bool:
+    """Whether the AVX2 variant's passes take AVX-VNNI here (`q4.use_avx_vnni`; the same bits):
+    whether one and eight rows through this model's MLP shapes take less time with it, timed by
+    turns. Measured once per machine, shape and kernel library, and remembered; a new measurement
+    turns an earlier choice over only when the ratio is clearly on the other side."""
+    if not q4.avx_vnni():
+        return False
+    key = _key(f"avx-vnni {hidden}x{inner}")
+    known = _read(record)
+    if isinstance(known.get(key), bool):
+        return known[key]
+    ratio = _avx_vnni_ratio(hidden, inner)  # AVX2's time over AVX-VNNI's
+    earlier = _earlier(known, key)
+    on = earlier if isinstance(earlier, bool) and abs(ratio - 1) < CLEAR_WIN - 1 else ratio > 1
+    known[key] = on
+    _write(record, known)
+    return on
+
+
+def _avx_vnni_ratio(hidden: int, inner: int) -> float:
+    """AVX2's median time over AVX-VNNI's for one and eight rows, added up."""
+    ratios = _by_turns(hidden, inner, ROWS, q4.use_avx_vnni)
+    return sum(ratios.values()) / len(ratios)
+
+
+def _by_turns(hidden: int, inner: int, counts: tuple[int, ...], switch) -> dict[int, float]:
+    """{rows: the median time of the 4-bit kernel on an MLP's two shapes with `switch(False)` over
+    that with `switch(True)`}, the two timed by turns; left switched off."""
     count = max(1, min(8, WORKING_SET // (inner * hidden)))  # 4-bit weights, beyond the CPU cache
     gen = torch.Generator().manual_seed(0)
     lib = q4.library()
@@ -166,15 +197,16 @@ def _amx_ratios(hidden: int, inner: int) -> dict[int, float]:
     ]
     ratios = {}
     with torch.inference_mode():
-        for rows in AMX_ROWS:
+        for rows in counts:
             x = {i: torch.randn(rows, i, generator=gen).to(torch.bfloat16) for i in (hidden, inner)}
-            times: dict[int, list[float]] = {0: [], 1: []}
-            for _ in range(AMX_REPEATS):
-                for on in (0, 1):
-                    q4.use_amx(on)
+            times: dict[bool, list[float]] = {False: [], True: []}
+            for _ in range(FLAVOR_REPEATS):
+                for on in (False, True):
+                    switch(on)
                     times[on].append(time_ms(lambda x=x: [layer(x[layer.k]) for layer in layers], repeats=1))
-            ratios[rows] = sorted(times[0])[AMX_REPEATS // 2] / sorted(times[1])[AMX_REPEATS // 2]
-    q4.use_amx(0)
+            middle = FLAVOR_REPEATS // 2
+            ratios[rows] = sorted(times[False])[middle] / sorted(times[True])[middle]
+    switch(False)
     return ratios
 
 

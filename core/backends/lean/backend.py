@@ -42,8 +42,8 @@ class LeanBackend(OnModel):
             return "transformers"
         head = getattr(self.model.get_output_embeddings(), "kernel", "dense")
         whole = " in one call" if self.forward.native is not None else ""
-        amx = f", AMX from {q4.amx_from()} rows" if q4.amx_from() and {kernel, head} & {"q4", "q8"} else ""
-        return f"lean, {kernel} layers{whole}, {head} lm_head{' by node' if self.row_head else ''}{amx}"
+        flavors = q4.flavors() if {kernel, head} & {"q4", "q8"} else ""
+        return f"lean, {kernel} layers{whole}, {head} lm_head{' by node' if self.row_head else ''}{flavors}"
 
     def new_cache(self) -> StaticKV:
         return self.forward.new_cache()

@@ -30,6 +30,7 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even */
 
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 #define T256 __attribute__((target("avx2,fma,f16c")))
+#define TVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
 
 /* 8 or 16 bf16 values → float lanes; float lanes → the nearest bf16 values (ties to even; a NaN is
  * not kept one), still as floats; lanes that hold bf16 values → stored as bf16. */

@@ -28,7 +28,7 @@
  * at 1–8B shapes: 4–8 rows 10–25 % faster; one row streams at memory speed without it). */
 #define PF 4
 
-int q4_version(void) { return 11; }
+int q4_version(void) { return 12; }
 
 /* bf16 weights (N×K, N % 16 == 0, K % 32 == 0) → the kernel's layout in one pass, as core/q4.py's
  * quantize (4 bits: step = (max − min)/15 and q = round((w − min)/step) per group, d and m float16
@@ -268,8 +268,8 @@ T256 static void quantize_256(const uint16_t *x, int64_t k, int8_t *p, float *e,
 /* Rows [0, R) of one tile, both halves (8 outputs each) from one broadcast of the activations.
  * A group's products are summed in int16: each of its 8 `vpmaddubsw` pairs is at most
  * 2·15·127 = 3810 in size, so their sum stays below 32767; then one `vpmaddwd` to int32. */
-#define TILE256(R)                                                                                                   \
-  T256 static void tile256_##R(const uint8_t *w, const uint16_t *d, const uint16_t *m, int64_t groups,             \
+#define TILE256(R, NAME, TARGET, ADD, FINISH)                                                                       \
+  TARGET static void NAME##_##R(const uint8_t *w, const uint16_t *d, const uint16_t *m, int64_t groups,             \
                                const int8_t *p, const float *e, const float *s, int64_t k, const float *bias,       \
                                uint16_t *y, int64_t ldy) {                                                          \
     const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);                                         \
@@ -290,10 +290,8 @@ T256 static void quantize_256(const uint16_t *x, int64_t k, int8_t *p, float *e,
           memcpy(&lo4, pr, 4);                                                                                       \
           memcpy(&hi4, pr + 4, 4);                                                                                   \
           __m256i a0 = _mm256_set1_epi32(lo4), a1 = _mm256_set1_epi32(hi4);                                          \
-          sum[r][0] = _mm256_add_epi16(sum[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, a0),                    \
-                                                                   _mm256_maddubs_epi16(hi0, a1)));                 \
-          sum[r][1] = _mm256_add_epi16(sum[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, a0),                    \
-                                                                   _mm256_maddubs_epi16(hi1, a1)));                 \
+          sum[r][0] = ADD(ADD(sum[r][0], lo0, a0), hi0, a1);                                                         \
+          sum[r][1] = ADD(ADD(sum[r][1], lo1, a0), hi1, a1);                                                         \
         }                                                                                                            \
       }                                                                                                              \
       for (int half = 0; half < 2; half++) {                                                                         \
@@ -301,7 +299,7 @@ T256 static void quantize_256(const uint16_t *x, int64_t k, int8_t *p, float *e,
         __m256 mg = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(m + g * TILE + 8 * half)));                     \
         for (int r = 0; r < R; r++) {                                                                                \
           int64_t eg = r * (k / GROUP) + g;                                                                          \
-          __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum[r][half], ones));                                    \
+          __m256 dot = _mm256_cvtepi32_ps(FINISH(sum[r][half]));                                                     \
           __m256 a = _mm256_fmadd_ps(dot, _mm256_mul_ps(dg, _mm256_set1_ps(e[eg])), _mm256_loadu_ps(acc[r] + 8 * half)); \
           _mm256_storeu_ps(acc[r] + 8 * half, _mm256_fmadd_ps(mg, _mm256_set1_ps(s[eg]), a));                        \
         }                                                                                                            \
@@ -315,12 +313,24 @@ T256 static void quantize_256(const uint16_t *x, int64_t k, int8_t *p, float *e,
   }
 
 #define ROWS256 4 /* rows a pass (measured: 3 is no faster, though 4 leaves no spare register) */
-TILE256(1)
-TILE256(2)
-TILE256(3)
-TILE256(4)
+/* AVX2: a group's products summed in int16 (`vpmaddubsw`), then to int32 once; AVX-VNNI
+ * (`vpdpbusd` on 256 bits, Intel's client CPUs without AVX-512): straight to int32. The sums are
+ * exact either way, so the two give the same bits. */
+#define ADD16(sum, w, a) _mm256_add_epi16(sum, _mm256_maddubs_epi16(w, a))
+#define TO32(sum) _mm256_madd_epi16(sum, ones)
+#define ADD32(sum, w, a) _mm256_dpbusd_avx_epi32(sum, w, a)
+#define AS32(sum) (sum)
+TILE256(1, tile256, T256, ADD16, TO32)
+TILE256(2, tile256, T256, ADD16, TO32)
+TILE256(3, tile256, T256, ADD16, TO32)
+TILE256(4, tile256, T256, ADD16, TO32)
+TILE256(1, tilevnni, TVNNI, ADD32, AS32)
+TILE256(2, tilevnni, TVNNI, ADD32, AS32)
+TILE256(3, tilevnni, TVNNI, ADD32, AS32)
+TILE256(4, tilevnni, TVNNI, ADD32, AS32)
 
-static const tile_fn tiles256[ROWS256 + 1] = {0, tile256_1, tile256_2, tile256_3, tile256_4};
+static const tile_fn tiles256[2][ROWS256 + 1] = {{0, tile256_1, tile256_2, tile256_3, tile256_4},
+                                                 {0, tilevnni_1, tilevnni_2, tilevnni_3, tilevnni_4}};
 
 /* ---------------------------------------------------------------- 8-bit weights
  *
@@ -371,8 +381,8 @@ PAIR512_8(1)
 PAIR512_8(2)
 
 /* AVX2, 8-bit weights: rows [0, R) of one tile, half by half. */
-#define TILE256_8(R)                                                                                                 \
-  T256 static void tile256_8_##R(const uint8_t *w, const uint16_t *d, int64_t groups, const int8_t *p,             \
+#define TILE256_8(R, NAME, TARGET, DOT)                                                                              \
+  TARGET static void NAME##_##R(const uint8_t *w, const uint16_t *d, int64_t groups, const int8_t *p,             \
                                  const float *e, int64_t k, const float *bias, uint16_t *y, int64_t ldy) {        \
     const __m256i ones = _mm256_set1_epi16(1);                                                                      \
     for (int half = 0; half < 2; half++) {                                                                           \
@@ -388,7 +398,7 @@ PAIR512_8(2)
             int32_t quad;                                                                                            \
             memcpy(&quad, p + r * k + g * GROUP + 4 * u, 4);                                                         \
             __m256i sa = _mm256_sign_epi8(_mm256_set1_epi32(quad), wv);                                              \
-            dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), ones));               \
+            dot[r] = DOT(dot[r], aw, sa);                                                                            \
           }                                                                                                          \
         }                                                                                                            \
         __m256 dg = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(d + g * TILE + 8 * half)));                     \
@@ -400,14 +410,29 @@ PAIR512_8(2)
     }                                                                                                                \
   }
 
-TILE256_8(1)
-TILE256_8(2)
-TILE256_8(3)
-TILE256_8(4)
+#define DOT16(dot, w, a) _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones))
+TILE256_8(1, tile256_8, T256, DOT16)
+TILE256_8(2, tile256_8, T256, DOT16)
+TILE256_8(3, tile256_8, T256, DOT16)
+TILE256_8(4, tile256_8, T256, DOT16)
+TILE256_8(1, tilevnni_8, TVNNI, ADD32)
+TILE256_8(2, tilevnni_8, TVNNI, ADD32)
+TILE256_8(3, tilevnni_8, TVNNI, ADD32)
+TILE256_8(4, tilevnni_8, TVNNI, ADD32)
 
 typedef void (*tile8_fn)(const uint8_t *, const uint16_t *, int64_t, const int8_t *, const float *, int64_t,
                          const float *, uint16_t *, int64_t);
-static const tile8_fn tiles256_8[ROWS256 + 1] = {0, tile256_8_1, tile256_8_2, tile256_8_3, tile256_8_4};
+static const tile8_fn tiles256_8[2][ROWS256 + 1] = {{0, tile256_8_1, tile256_8_2, tile256_8_3, tile256_8_4},
+                                                     {0, tilevnni_8_1, tilevnni_8_2, tilevnni_8_3, tilevnni_8_4}};
+
+static int avx_vnni; /* whether the AVX2 variant's passes take AVX-VNNI (`q4_avx_vnni`) */
+
+/* Take AVX-VNNI in the AVX2 variant (on: 1) or not (0). Returns 0, or -1 where the CPU has none. */
+int q4_avx_vnni(int on) {
+  if (!__builtin_cpu_supports("avxvnni")) return -1;
+  avx_vnni = on != 0;
+  return 0;
+}
 
 /* ---------------------------------------------------------------- entry */
 
@@ -478,9 +503,9 @@ int q4_run(const q4_layer *layer, int isa, int threads, int64_t rows, const uint
         int64_t r0 = pass * ROWS256, count = rows - r0 < ROWS256 ? rows - r0 : ROWS256, at = t * groups * TILE;
         const float *bt = bias ? bias + t * TILE : 0;
         if (eight)
-          tiles256_8[count](w + t * stride, d + at, groups, p + r0 * k, e + r0 * groups, k, bt, y + r0 * n + t * TILE, n);
+          tiles256_8[avx_vnni][count](w + t * stride, d + at, groups, p + r0 * k, e + r0 * groups, k, bt, y + r0 * n + t * TILE, n);
         else
-          tiles256[count](w + t * stride, d + at, m + at, groups, p + r0 * k, e + r0 * groups, s + r0 * groups, k, bt,
+          tiles256[avx_vnni][count](w + t * stride, d + at, m + at, groups, p + r0 * k, e + r0 * groups, s + r0 * groups, k, bt,
                           y + r0 * n + t * TILE, n);
       }
   }
