@@ -41,11 +41,12 @@ def test_the_machine_names_the_kernels_in_use():
 
 @pytest.mark.embedded
 def test_profile_json_on_the_embedded_model():
-    args = ["profile", "--json", "--sizes", "1,8", "--repeats", "1", "--dtype", "float32"]
+    args = ["profile", "--json", "--sizes", "1,8", "--repeats", "1", "--dtype", "float32", "--context", "2500"]
     result = subprocess.run([sys.executable, "-m", "app.main", *args], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert [s["nodes"] for s in report["steps"]] == [1, 8] and report["dtype"] == "float32"
+    assert report["context"] == 2500  # as long as asked (it stopped at ~1,100 tokens of its text)
     assert report["steps"][1]["draft_ms"] > 0  # the shipped heads drafted
     assert set(report["machine"]) >= {"cpu", "isa", "kernels", "threads", "torch"}
     assert "nodes…" in result.stderr

@@ -37,8 +37,8 @@ def run(args: argparse.Namespace) -> int:
     backbone = load_backbone(args.model, args.dtype, args.device, args.quantization, spec=spec)
     heads, trained = heads_for(backbone, heads_dir)
     model = backbone.model
-    text = "Explain, step by step and with an example, how a hash table handles collisions. " * 64
-    context = backbone.tokenizer(text)["input_ids"][: args.context]
+    line = backbone.tokenizer("Explain, step by step and with an example, how a hash table handles collisions. ")
+    context = (line["input_ids"] * (args.context // len(line["input_ids"]) + 1))[: args.context]
     here = profile.machine(model.device)
     dtype = str(model.dtype).removeprefix("torch.")
     print(
