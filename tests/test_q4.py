@@ -155,7 +155,9 @@ def ops_or_skip(variant: str) -> stepops.Ops:
 
 
 @pytest.mark.parametrize("variant", ["avx512-vnni", "avx2"])
-@pytest.mark.parametrize("heads, kv, d, past", [(6, 2, 32, 37), (9, 3, 64, 1001), (4, 1, 48, 150), (8, 2, 128, 300)])
+@pytest.mark.parametrize(
+    "heads, kv, d, past", [(6, 2, 32, 37), (9, 3, 64, 1001), (4, 1, 48, 150), (8, 2, 128, 300), (9, 3, 64, 1535)]
+)
 def test_attention_matches_torch_and_a_tree_node_equals_a_one_token_step(variant, heads, kv, d, past):
     """GQA with a tree mask against torch's sdpa (head sizes whose vectors split unevenly, query
     counts a kv head that are not multiples of the kernel's groups, prefixes of odd lengths); then

@@ -88,7 +88,7 @@ void exps256(int64_t count, float *x);
 /* step.c's attention of t rows (mask rows ldm apart; keys before `open` seen by every row) and
  * the first key some row does not see. */
 int q4_attend(int isa, int threads, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, int64_t length,
-              const uint16_t *q, int64_t ldq, const uint16_t *k, const uint16_t *v, int64_t capacity,
+              int64_t first, const uint16_t *q, int64_t ldq, const uint16_t *k, const uint16_t *v, int64_t capacity,
               const uint16_t *mask, int64_t ldm, int64_t open, float scale, uint16_t *out);
 int64_t q4_first_hidden(const uint16_t *mask, int64_t t, int64_t length, int64_t ldm);
 void q4_rmsnorm(int isa, int64_t rows, int64_t n, const uint16_t *x, int64_t ldx, const void *w, int wide, float eps,

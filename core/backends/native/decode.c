@@ -123,12 +123,12 @@ static int attend(const q4_model *model, const q4_block *b, int isa, int threads
     }
   }
   if (!b->window)
-    return q4_attend(isa, threads, t, heads, kv, d, length, qkv, width, kl, vl, capacity, mask, length, open,
+    return q4_attend(isa, threads, t, heads, kv, d, length, 0, qkv, width, kl, vl, capacity, mask, length, open,
                      model->scale, a);
   int64_t lo;
   const uint16_t *seen = window_mask(t, past, length, positions, mask, b->window, &lo, room);
   int64_t part = length - lo;
-  return q4_attend(isa, threads, t, heads, kv, d, part, qkv, width, kl + lo * d, vl + lo * d, capacity, seen, part,
+  return q4_attend(isa, threads, t, heads, kv, d, part, lo, qkv, width, kl + lo * d, vl + lo * d, capacity, seen, part,
                    q4_first_hidden(seen, t, part, part), model->scale, a);
 }
 

@@ -34,6 +34,7 @@ static inline float bf(uint16_t b) { return bf16_to_float(b); }
  * (keys from `length` on read key length - 1: the caller masks them). The callers go over the
  * keys in spans of SPAN, every group of queries in turn on a span (its keys stay in cache). */
 #define SPAN 256
+#define AHEAD_KEYS 16 /* keys ahead whose keys and values a pass prefetches (past the end: a hint, never read) */
 #define SCORES(NAME, TARGET, VEC, W, P, LOAD_BF, REDUCE4)                                                            \
   TARGET ALWAYS void NAME##_g(const int G, int64_t D, const float *qf, const uint16_t *k, int64_t length,           \
                               int64_t padded, int64_t from, int64_t to, float *s) {                                  \
@@ -41,6 +42,7 @@ static inline float bf(uint16_t b) { return bf16_to_float(b); }
     for (int64_t j0 = from; j0 < to; j0 += 4) {                                                                      \
       const uint16_t *kj[4];                                                                                         \
       for (int jj = 0; jj < 4; jj++) kj[jj] = k + (j0 + jj < length ? j0 + jj : length - 1) * d;                     \
+      for (int64_t b = 0; b < 4 * d * 2; b += 64) _mm_prefetch((const char *)(k + (j0 + AHEAD_KEYS) * d) + b, _MM_HINT_T0); \
       VEC r[GROUP_Q][4], key[4];                                                                                     \
       for (int jj = 0; jj < 4; jj++) key[jj] = LOAD_BF(kj[jj]);                                                      \
       for (int m = 0; m < G; m++) {                                                                                  \
@@ -86,6 +88,8 @@ static inline float bf(uint16_t b) { return bf16_to_float(b); }
     for (int m = 0; m < G; m++)                                                                                      \
       for (int c = 0; c < C; c++) a[m][c] = P##_loadu_ps(acc + m * d + W * (c0 + c));                                \
     for (int64_t j = j0; j < stop; j++) {                                                                            \
+      if (c0 == 0)                                                                                                   \
+        for (int64_t l = 0; l < d * 2; l += 64) _mm_prefetch((const char *)(v + (j + AHEAD_KEYS) * d) + l, _MM_HINT_T0); \
       VEC b[GROUP_Q];                                                                                                \
       for (int m = 0; m < G; m++) b[m] = P##_set1_ps(p[m * padded + j]);                                             \
       for (int c = 0; c < C; c++) {                                                                                  \
@@ -175,91 +179,154 @@ VALUES(values256, T256, __m256, 8, _mm256, LOAD_BF256)
 EXPS(exps512, T512, __m512, __m512i, 16, _mm512, ROUND512, _mm512_castsi512_ps)
 EXPS(exps256, T256, __m256, __m256i, 8, _mm256, ROUND256, _mm256_castsi256_ps)
 
-/* Attention of up to QUERIES queries that share a kv head, against keys and values [0, length).
- * Softmax weights are e^(score - the query's top score), 0 for a key it does not see; keys
- * before `open` are seen by every query, from there on mask[m][j] says (0: seen). The work is
- * proportional to the queries (a one-token step's 3 queries do not pay for 16 lanes).
- * work: ATTEND_WORK(n, d, length) floats. */
+/* Attention of up to QUERIES queries that share a kv head (their q scaled, as floats: qf),
+ * against the keys and values [from, to) of one part: each query's top score there (-inf where it
+ * sees none of them), the sum of its softmax weights e^(score - top) (0 for a key it does not
+ * see) and its weighted sum of values, unnormalized. Keys before `open` are seen by every query,
+ * from there on mask[m][j] says (0: seen). The work is proportional to the queries (a one-token
+ * step's 3 queries do not pay for 16 lanes). work: PART_WORK(n, to - from) floats. */
 #define QUERIES 48 /* the most queries one pass over a kv head's keys and values serves */
 #define HEAD_STEP 16 /* head sizes must be multiples of this (core/backends/stepops.py HEAD_STEP) */
 #define KEYS 16
 #define PADDED(length) (((length) + KEYS - 1) / KEYS * KEYS)
-#define ATTEND_WORK(n, d, length) ((n) * (2 * (d) + PADDED(length) + 1))
+#define PART_WORK(n, length) ((n) * PADDED(length))
 #define ATTEND(NAME, SCORES, VALUES, EXPS, TARGET)                                                                   \
-  TARGET static void NAME(int64_t n, int64_t d, const uint16_t *const *q, const uint16_t *k, const uint16_t *v,      \
-                          int64_t length, int64_t open, const uint16_t *const *mask, float scale, float *work,       \
-                          uint16_t *const *out) {                                                                    \
-    int64_t padded = PADDED(length);                                                                                 \
-    float *qf = work, *acc = qf + n * d, *scores = acc + n * d, *total = scores + n * padded;                        \
-    for (int64_t m = 0; m < n; m++) {                                                                                \
-      _Pragma("omp simd") for (int64_t i = 0; i < d; i++) qf[m * d + i] = bf(q[m][i]) * scale;                       \
-    }                                                                                                                \
-    SCORES(n, d, qf, k, length, padded, scores);                                                                     \
+  TARGET static void NAME(int64_t n, int64_t d, const float *qf, const uint16_t *k, const uint16_t *v, int64_t from, \
+                          int64_t to, int64_t open, const uint16_t *const *mask, float *work, float *top,            \
+                          float *total, float *acc) {                                                                \
+    int64_t length = to - from, padded = PADDED(length), seen = open > from ? open : from;                           \
+    float *scores = work;                                                                                            \
+    SCORES(n, d, qf, k + from * d, length, padded, scores);                                                          \
     for (int64_t m = 0; m < n; m++) { /* softmax weights, unnormalized */                                            \
-      float *sm = scores + m * padded, top = -INFINITY;                                                              \
+      float *sm = scores + m * padded, t = -INFINITY;                                                                \
       if (mask[m])                                                                                                   \
-        for (int64_t j = open; j < length; j++)                                                                      \
-          if ((mask[m][j] & 0x7fff) != 0) sm[j] = -INFINITY;                                                         \
+        for (int64_t j = seen; j < to; j++)                                                                          \
+          if ((mask[m][j] & 0x7fff) != 0) sm[j - from] = -INFINITY;                                                  \
       for (int64_t j = length; j < padded; j++) sm[j] = -INFINITY;                                                   \
-      _Pragma("omp simd reduction(max : top)") for (int64_t j = 0; j < padded; j++) top = sm[j] > top ? sm[j] : top; \
-      _Pragma("omp simd") for (int64_t j = 0; j < padded; j++) sm[j] -= top;                                         \
+      _Pragma("omp simd reduction(max : t)") for (int64_t j = 0; j < padded; j++) t = sm[j] > t ? sm[j] : t;         \
+      top[m] = t;                                                                                                    \
+      if (t == -INFINITY) { /* it sees no key of this part */                                                        \
+        for (int64_t j = 0; j < padded; j++) sm[j] = 0.0f;                                                           \
+        continue;                                                                                                    \
+      }                                                                                                              \
+      _Pragma("omp simd") for (int64_t j = 0; j < padded; j++) sm[j] -= t;                                           \
       EXPS(padded, sm);                                                                                              \
       if (mask[m])                                                                                                   \
-        for (int64_t j = open; j < length; j++)                                                                      \
-          if ((mask[m][j] & 0x7fff) != 0) sm[j] = 0.0f;                                                              \
+        for (int64_t j = seen; j < to; j++)                                                                          \
+          if ((mask[m][j] & 0x7fff) != 0) sm[j - from] = 0.0f;                                                       \
       for (int64_t j = length; j < padded; j++) sm[j] = 0.0f;                                                        \
     }                                                                                                                \
-    VALUES(n, d, length, scores, padded, v, acc, total);                                                             \
-    for (int64_t m = 0; m < n; m++) {                                                                                \
-      float inv = 1.0f / total[m];                                                                                   \
-      for (int64_t i = 0; i < d; i++) out[m][i] = float_to_bf16(acc[m * d + i] * inv);                               \
-    }                                                                                                                \
+    VALUES(n, d, length, scores, padded, v + from * d, acc, total);                                                  \
   }
 
 ATTEND(attend512, scores512, values512, exps512, T512)
 ATTEND(attend256, scores256, values256, exps256, T256)
 
+/* Long key ranges are cut into parts at fixed key positions (multiples of SPLIT counted from
+ * position 0, whatever the first key's position), each part's attention made on its own and
+ * the parts then joined in order: top = the parts' top, each part weighted by e^(its top - top).
+ * A query's bits depend on its own q and the keys it sees, so a tree's node still gets those of
+ * a one-token step at its position; one row's parts go to different threads, each reading its
+ * keys and values once (one thread a kv head read them 1.33-2 times over, at a third of the
+ * memory's speed). */
+#define SPLIT 512
+
+/* The queries of one task: query l is (row r, head g·group + h) for the task's kv head g. */
+typedef struct {
+  int64_t n;
+  const uint16_t *q[QUERIES], *mask[QUERIES];
+  uint16_t *out[QUERIES];
+} block;
+
+static void block_of(int64_t g, int64_t b, int64_t size, int64_t queries, int64_t group, int64_t heads, int64_t d,
+                     const uint16_t *q, int64_t ldq, const uint16_t *mask, int64_t ldm, uint16_t *out, block *k) {
+  k->n = queries - b * size < size ? queries - b * size : size;
+  for (int64_t l = 0; l < k->n; l++) {
+    int64_t r = (b * size + l) / group, h = g * group + (b * size + l) % group;
+    k->q[l] = q + r * ldq + h * d;
+    k->mask[l] = mask ? mask + r * ldm : 0;
+    k->out[l] = out + (r * heads + h) * d;
+  }
+}
+
+/* One part's result for a block of `size` queries: their tops, totals, then weighted values. */
+#define RESULT(size, d) ((size) * (2 + (d)))
+
+/* A block's parts (their results `stride` floats apart) joined in order → its outputs, bf16.
+ * With one part every weight is 1 and each sum one term: the part's own result, exactly. */
+static void join(const block *k, int64_t size, int64_t d, int64_t parts, int64_t stride, const float *results,
+                 float *acc) {
+  for (int64_t l = 0; l < k->n; l++) {
+    float top = -INFINITY, total = 0.0f;
+    for (int64_t p = 0; p < parts; p++) top = results[p * stride + l] > top ? results[p * stride + l] : top;
+    for (int64_t i = 0; i < d; i++) acc[i] = 0.0f;
+    for (int64_t p = 0; p < parts; p++) {
+      const float *r = results + p * stride;
+      if (r[l] == -INFINITY) continue; /* it sees no key of this part */
+      float w = r[l] == top ? 1.0f : expf(r[l] - top);
+      total += r[size + l] * w;
+      const float *values = r + 2 * size + l * d;
+      for (int64_t i = 0; i < d; i++) acc[i] += values[i] * w;
+    }
+    float inv = 1.0f / total;
+    for (int64_t i = 0; i < d; i++) k->out[l][i] = float_to_bf16(acc[i] * inv);
+  }
+}
+
 /* out (t × heads × d) for queries q (t × heads × d, row stride ldq) against keys and values
- * (kv_heads × capacity × d, the first `length` used); query head h reads kv head h / (heads /
- * kv_heads). mask: t rows of ldm bf16 (the first `length` used), 0 where a query sees a key (NULL: every
- * key is seen); keys
- * before `open` are seen by every query (q4_attention finds it). Returns 0, or -1 when scratch
- * memory could not be had. */
+ * (kv_heads × capacity × d, the first `length` used; key 0 at position `first`); query head h
+ * reads kv head h / (heads / kv_heads). mask: t rows of ldm bf16 (the first `length` used), 0
+ * where a query sees a key (NULL: every key is seen); keys before `open` are seen by every query
+ * (q4_attention finds it). Returns 0, or -1 when scratch memory could not be had. */
 int q4_attend(int isa, int threads, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, int64_t length,
-                     const uint16_t *q, int64_t ldq, const uint16_t *k, const uint16_t *v, int64_t capacity,
-                     const uint16_t *mask, int64_t ldm, int64_t open, float scale, uint16_t *out) {
+              int64_t first, const uint16_t *q, int64_t ldq, const uint16_t *k, const uint16_t *v, int64_t capacity,
+              const uint16_t *mask, int64_t ldm, int64_t open, float scale, uint16_t *out) {
+  int64_t parts = (first + length + SPLIT - 1) / SPLIT - first / SPLIT; /* cut at the multiples of SPLIT */
   /* Each block of queries reads its kv head's keys and values once, so blocks are as large as
-   * QUERIES allows, and as many as give every thread the same number of them (a one-token step's
-   * 3 queries a kv head split 2 + 1 on two threads: the second block finds the keys in cache). */
+   * QUERIES allows; with one part, as many as give every thread the same number of them (a
+   * one-token step's 3 queries a kv head split 2 + 1 on two threads: the second block finds the
+   * keys in cache). */
   int64_t group = heads / kv_heads, queries = t * group, per = (queries + QUERIES - 1) / QUERIES;
-  while ((kv_heads * per) % threads && per < queries) per++;
+  while (parts == 1 && (kv_heads * per) % threads && per < queries) per++;
   int64_t size = (queries + per - 1) / per, blocks = (queries + size - 1) / size;
+  int64_t stride = RESULT(size, d), span = parts == 1 ? length : SPLIT; /* a part's results; its most keys */
+  float *results = malloc(sizeof(float) * (size_t)(kv_heads * blocks * parts * stride));
+  if (!results) return -1;
   int failed = 0;
 #pragma omp parallel num_threads(threads) if (t * heads * length >= 1024)
   {
-    float *work = malloc(sizeof(float) * (size_t)ATTEND_WORK(size, d, length));
+    float *work = malloc(sizeof(float) * (size_t)(PART_WORK(size, span) + size * d));
     if (!work) {
 #pragma omp atomic write
       failed = 1;
     }
+#pragma omp for schedule(static) collapse(3)
+    for (int64_t g = 0; g < kv_heads; g++)
+      for (int64_t b = 0; b < blocks; b++)
+        for (int64_t p = 0; p < parts; p++) {
+          if (!work) continue;
+          block kb;
+          block_of(g, b, size, queries, group, heads, d, q, ldq, mask, ldm, out, &kb);
+          float *qf = work + PART_WORK(size, span), *res = results + ((g * blocks + b) * parts + p) * stride;
+          for (int64_t m = 0; m < kb.n; m++) {
+            _Pragma("omp simd") for (int64_t i = 0; i < d; i++) qf[m * d + i] = bf(kb.q[m][i]) * scale;
+          }
+          int64_t from = p == 0 ? 0 : (first / SPLIT + p) * SPLIT - first;
+          int64_t to = p == parts - 1 ? length : (first / SPLIT + p + 1) * SPLIT - first;
+          (isa == 2 ? attend512 : attend256)(kb.n, d, qf, k + g * capacity * d, v + g * capacity * d, from, to, open,
+                                             kb.mask, work, res, res + size, res + 2 * size);
+        }
 #pragma omp for schedule(static) collapse(2)
     for (int64_t g = 0; g < kv_heads; g++)
       for (int64_t b = 0; b < blocks; b++) {
         if (!work) continue;
-        const uint16_t *qs[QUERIES], *ms[QUERIES];
-        uint16_t *os[QUERIES];
-        int64_t n = queries - b * size < size ? queries - b * size : size;
-        for (int64_t l = 0; l < n; l++) { /* query (row r, head g·group + h) */
-          int64_t r = (b * size + l) / group, h = g * group + (b * size + l) % group;
-          qs[l] = q + r * ldq + h * d;
-          ms[l] = mask ? mask + r * ldm : 0;
-          os[l] = out + (r * heads + h) * d;
-        }
-        (isa == 2 ? attend512 : attend256)(n, d, qs, k + g * capacity * d, v + g * capacity * d, length, open, ms,
-                                           scale, work, os);
+        block kb;
+        block_of(g, b, size, queries, group, heads, d, q, ldq, mask, ldm, out, &kb);
+        join(&kb, size, d, parts, stride, results + (g * blocks + b) * parts * stride, work);
       }
     free(work);
   }
+  free(results);
   return failed ? -1 : 0;
 }
 
@@ -276,7 +343,7 @@ int q4_attention(int isa, int threads, int64_t t, int64_t heads, int64_t kv_head
                  const uint16_t *q, int64_t ldq, const uint16_t *k, const uint16_t *v, int64_t capacity,
                  const uint16_t *mask, float scale, uint16_t *out) {
   if (d > 512 || d % HEAD_STEP) return -2;
-  return q4_attend(isa, threads, t, heads, kv_heads, d, length, q, ldq, k, v, capacity, mask, length,
+  return q4_attend(isa, threads, t, heads, kv_heads, d, length, 0, q, ldq, k, v, capacity, mask, length,
                    q4_first_hidden(mask, t, length, length), scale, out);
 }
 
