@@ -215,6 +215,7 @@ def test_the_amx_row_count_is_measured_on_this_machine(tmp_path):
     q4.use_amx(rows)
     try:
         assert q4.amx_from() == rows
+        assert q4.Packed(q4.library(), torch.randn(32, 64), None).amx == rows
     finally:
         q4.use_amx(0)
 

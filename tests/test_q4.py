@@ -282,14 +282,8 @@ def amx_loaded():
         pytest.skip("no AMX here (or Linux does not grant this process the tile state)")
 
 
-@pytest.fixture
-def amx_off():
-    yield
-    q4.use_amx(0)
-
-
 @pytest.mark.parametrize("bits", [4, 8])
-def test_amx_passes_give_the_vnni_passes_bits(bits, amx_off):
+def test_amx_passes_give_the_vnni_passes_bits(bits):
     """Every row count, past a tile of rows and with a partial one (zeros pad it), with a bias:
     AMX's rows equal VNNI's and a one-row product's bit for bit (the integer sums are exact and
     the float epilogue is the same), so which path a row count takes changes no output."""
@@ -298,15 +292,31 @@ def test_amx_passes_give_the_vnni_passes_bits(bits, amx_off):
     layer = q4.Packed(q4.library(), torch.randn(80, 320, generator=gen) * 0.05, torch.randn(80, generator=gen), bits)
     x = torch.randn(40, 320, generator=gen).to(torch.bfloat16)
     x[3, :7] *= 40  # an outlier sets its group's scale
-    q4.use_amx(0)
+    layer.amx = 0
     vnni = {rows: layer(x[:rows]) for rows in (1, 2, 5, 8, 9, 16, 17, 33, 40)}
     ones = torch.cat([layer(x[r : r + 1]) for r in range(40)])
-    q4.use_amx(1)
-    assert q4.amx_from() == 1
+    layer.amx = 1
+    assert layer.amx == 1
     for rows, want in vnni.items():
         got = layer(x[:rows])
         assert torch.equal(got, want), rows
         assert torch.equal(got, ones[:rows]), rows
+
+
+def test_each_weight_keeps_the_amx_row_count_it_was_packed_with():
+    """A model's weights take AMX from its own measured count: a draft model packed next, with
+    another count, leaves them theirs."""
+    amx_loaded()
+    gen = torch.Generator().manual_seed(7)
+    try:
+        q4.use_amx(8)
+        first = q4.Packed(q4.library(), torch.randn(32, 64, generator=gen), None)
+        q4.use_amx(16)
+        second = q4.Packed(q4.library(), torch.randn(32, 64, generator=gen), None)
+        assert (first.amx, second.amx, q4.amx_from()) == (8, 16, 16)
+    finally:
+        q4.use_amx(0)
+    assert q4.Packed(q4.library(), torch.randn(32, 64, generator=gen), None).amx == 0
 
 
 @pytest.mark.parametrize("bits", [4, 8])

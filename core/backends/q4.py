@@ -41,7 +41,7 @@ SOURCES = (
     NATIVE / "step.c",
     NATIVE / "decode.c",
 )  # compiled together, with common.h
-VERSION = 13  # q4_version() of the source above
+VERSION = 14  # q4_version() of the source above
 TILE = 16  # outputs per tile (inputs per scale: `quantize.GROUP`)
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
 ISAS = {"avx512-vnni": 2, "avx2": 1}  # the kernel variants, as q4_gemm numbers them
@@ -66,18 +66,17 @@ def amx() -> bool:
     """Whether the many-row passes may run on AMX here (amx.c): the CPU has it, the AVX-512 VNNI
     variant runs (AMX's results equal it bit for bit) and Linux grants this process the tile state."""
     lib = library()
-    return lib is not None and isa() == "avx512-vnni" and torch.cpu._is_amx_tile_supported() and lib.q4_amx(0) == 0
+    return lib is not None and isa() == "avx512-vnni" and torch.cpu._is_amx_tile_supported() and lib.q4_amx() == 0
 
 
 def use_amx(rows: int) -> None:
-    """Run calls of `rows` rows or more on AMX (0: none), where `amx()`."""
-    if amx():
-        library().q4_amx(rows)
-        _state["amx"] = rows
+    """Weights packed from now on take AMX for calls of `rows` rows or more (0: none), where
+    `amx()` (a model's own measured count: the weights of a draft model loaded next keep theirs)."""
+    _state["amx"] = rows if rows and amx() else 0
 
 
 def amx_from() -> int:
-    """The row count from which calls run on AMX (0: none)."""
+    """The row count from which weights packed now take AMX (0: none)."""
     return _state.get("amx", 0)
 
 
@@ -97,9 +96,10 @@ def use_avx_vnni(on: bool) -> None:
         _state["avx-vnni"] = bool(on)
 
 
-def flavors() -> str:
-    """The kernel flavors in use beyond the variant ("" when none): AVX-VNNI, AMX from a row count."""
-    amx = f", AMX from {amx_from()} rows" if amx_from() else ""
+def flavors(amx_rows: int) -> str:
+    """The kernel flavors in use beyond the variant ("" when none): AVX-VNNI, AMX from a row count
+    (`amx_rows`: a weight's, see `Packed.amx`)."""
+    amx = f", AMX from {amx_rows} rows" if amx_rows else ""
     return f"{', AVX-VNNI' if _state.get('avx-vnni') else ''}{amx}"
 
 
@@ -186,6 +186,7 @@ class Layer(ctypes.Structure):
         ("d", ctypes.c_void_p),
         ("m", ctypes.c_void_p),
         ("bias", ctypes.c_void_p),
+        ("amx", ctypes.c_int64),
     ]
 
 
@@ -208,7 +209,7 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.q4_rmsnorm.restype = None
     lib.q4_decode.argtypes = [ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64]
     lib.q4_decode.restype = ctypes.c_int
-    lib.q4_amx.argtypes = [i64]
+    lib.q4_amx.argtypes = []
     lib.q4_amx.restype = ctypes.c_int
     lib.q4_avx_vnni.argtypes = [ctypes.c_int]
     lib.q4_avx_vnni.restype = ctypes.c_int
@@ -312,7 +313,7 @@ class Packed:
         self.d = torch.empty(n * k // GROUP, dtype=torch.float16)
         self.m = torch.empty(n * k // GROUP, dtype=torch.float16 if bits == 4 else torch.int32)
         self.bias = None
-        self.layer = Layer(n, k, bits, self.w.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), None)
+        self.layer = Layer(n, k, bits, self.w.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), None, amx_from())
         self.address = ctypes.addressof(self.layer)
 
     def put(self, start: int, weight: Tensor) -> None:
@@ -341,6 +342,16 @@ class Packed:
         vnni = self.variant == ISAS["avx512-vnni"]
         sums = q.view(-1, TILE, groups, GROUP).sum(-1, dtype=torch.int32).permute(0, 2, 1)
         self.m.view(-1, groups, TILE)[tiles] = 128 * sums if vnni else 0
+
+    @property
+    def amx(self) -> int:
+        """From how many rows this weight's calls take AMX (0: none; `use_amx` sets it for weights
+        packed after it)."""
+        return self.layer.amx
+
+    @amx.setter
+    def amx(self, rows: int) -> None:
+        self.layer.amx = rows if rows and amx() else 0
 
     def set_bias(self, bias: Tensor | None) -> None:
         self.bias = None if bias is None else bias.detach().float().contiguous()

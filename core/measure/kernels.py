@@ -156,7 +156,7 @@ def amx_rows(hidden: int, inner: int, record: Path) -> int:
 
 def _amx_ratios(hidden: int, inner: int) -> dict[int, float]:
     """{rows: VNNI's median time over AMX's} through the 4-bit kernel on an MLP's two shapes."""
-    return _by_turns(hidden, inner, AMX_ROWS, lambda on: q4.use_amx(int(on)))
+    return _by_turns(hidden, inner, AMX_ROWS, lambda on, layers: [setattr(w, "amx", int(on)) for w in layers])
 
 
 def avx_vnni(hidden: int, inner: int, record: Path) -> bool:
@@ -180,13 +180,13 @@ def avx_vnni(hidden: int, inner: int, record: Path) -> bool:
 
 def _avx_vnni_ratio(hidden: int, inner: int) -> float:
     """AVX2's median time over AVX-VNNI's for one and eight rows, added up."""
-    ratios = _by_turns(hidden, inner, ROWS, q4.use_avx_vnni)
+    ratios = _by_turns(hidden, inner, ROWS, lambda on, layers: q4.use_avx_vnni(on))
     return sum(ratios.values()) / len(ratios)
 
 
 def _by_turns(hidden: int, inner: int, counts: tuple[int, ...], switch) -> dict[int, float]:
-    """{rows: the median time of the 4-bit kernel on an MLP's two shapes with `switch(False)` over
-    that with `switch(True)`}, the two timed by turns; left switched off."""
+    """{rows: the median time of the 4-bit kernel on an MLP's two shapes with `switch(False,
+    layers)` over that with `switch(True, layers)`}, the two timed by turns; left switched off."""
     count = max(1, min(8, WORKING_SET // (inner * hidden)))  # 4-bit weights, beyond the CPU cache
     gen = torch.Generator().manual_seed(0)
     lib = q4.library()
@@ -202,11 +202,11 @@ def _by_turns(hidden: int, inner: int, counts: tuple[int, ...], switch) -> dict[
             times: dict[bool, list[float]] = {False: [], True: []}
             for _ in range(FLAVOR_REPEATS):
                 for on in (False, True):
-                    switch(on)
+                    switch(on, layers)
                     times[on].append(time_ms(lambda x=x: [layer(x[layer.k]) for layer in layers], repeats=1))
             middle = FLAVOR_REPEATS // 2
             ratios[rows] = sorted(times[False])[middle] / sorted(times[True])[middle]
-    switch(False)
+    switch(False, layers)
     return ratios
 
 

@@ -42,8 +42,13 @@ class LeanBackend(OnModel):
             return "transformers"
         head = getattr(self.model.get_output_embeddings(), "kernel", "dense")
         whole = " in one call" if self.forward.native is not None else ""
-        flavors = q4.flavors() if {kernel, head} & {"q4", "q8"} else ""
+        flavors = q4.flavors(self._amx_rows()) if {kernel, head} & {"q4", "q8"} else ""
         return f"lean, {kernel} layers{whole}, {head} lm_head{' by node' if self.row_head else ''}{flavors}"
+
+    def _amx_rows(self) -> int:
+        """From how many rows the library's weights take AMX (0: none): the lm_head's or a layer's."""
+        weights = [self.model.get_output_embeddings(), *(layer.qkv for layer in self.forward.layers[:1])]
+        return max((w.packed.amx for w in weights if isinstance(getattr(w, "packed", None), q4.Packed)), default=0)
 
     def new_cache(self) -> StaticKV:
         return self.forward.new_cache()

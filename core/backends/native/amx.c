@@ -9,8 +9,8 @@
  * VNNI kernel's, whichever path a row count takes.
  *
  * The kernel asks Linux for the tile state once (`arch_prctl`); where it is refused, or the CPU
- * has no AMX, `q4_amx` says so and q4_run keeps VNNI. From which row count AMX runs is set by the
- * caller (measured per machine and shape: core/measure/kernels.py, `amx_rows`).
+ * has no AMX, `q4_amx` says so and q4_run keeps VNNI. From which row count a weight's calls take AMX
+ * is its own (`q4_layer.amx`: measured per machine and model shape, core/measure/kernels.py).
  */
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -22,19 +22,13 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
-static int64_t amx_from; /* rows from which q4_run takes AMX; 0: never */
-
-/* Take AMX for calls of `from` rows or more (0: never). Returns 0, or -1 where this process may not
- * use AMX (no AMX, or the kernel refused the tile state). */
-int q4_amx(int64_t from) {
+/* Ask Linux for the tile state (once). Returns 0, or -1 where this process may not use AMX (no
+ * AMX, or the kernel refused it): no weight may then be set to take AMX. */
+int q4_amx(void) {
   static int granted = -1;
   if (granted < 0) granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  if (!granted) return -1;
-  amx_from = from;
-  return 0;
+  return granted ? 0 : -1;
 }
-
-int q4_amx_takes(int64_t rows) { return amx_from > 0 && rows >= amx_from; }
 
 typedef struct {
   uint8_t palette, start;
@@ -75,6 +69,13 @@ TAMX static inline void product(int64_t group, const int8_t *pg, int64_t k, cons
     _tile_dpbssd(0, 1, 2);
     _tile_stored(0, sums, 64);
   }
+}
+
+/* The first `rows` of a pass's R rows' sums plus the bias, as bf16 outputs. */
+TAMX static inline __attribute__((always_inline)) void store_rows(int R, const __m512 *acc, int64_t rows,
+                                                                   const float *bias, uint16_t *y, int64_t ldy) {
+  __m512 bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int r = 0; r < R && r < rows; r++) store_bf512(y + r * ldy, round_bf512(_mm512_add_ps(acc[r], bv)));
 }
 
 /* A pass is a pipeline over the groups: a group's weights are unpacked (4 bits) at step i, its
@@ -121,9 +122,7 @@ TAMX static inline void product(int64_t group, const int8_t *pg, int64_t k, cons
         }                                                                                                            \
       }                                                                                                              \
     }                                                                                                                \
-    __m512 bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();                                                  \
-    for (int r = 0; r < R; r++)                                                                                      \
-      if (r < rows) store_bf512(y + r * ldy, round_bf512(_mm512_add_ps(acc[r], bv)));                               \
+    store_rows(R, acc, rows, bias, y, ldy);                                                                          \
   }
 
 /* 8-bit weights: their bytes are tile B as they lie (as q4gemm.c's pair512_8). */
@@ -145,9 +144,7 @@ TAMX static inline void product(int64_t group, const int8_t *pg, int64_t k, cons
         }                                                                                                            \
       }                                                                                                              \
     }                                                                                                                \
-    __m512 bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();                                                  \
-    for (int r = 0; r < R; r++)                                                                                      \
-      if (r < rows) store_bf512(y + r * ldy, round_bf512(_mm512_add_ps(acc[r], bv)));                               \
+    store_rows(R, acc, rows, bias, y, ldy);                                                                          \
   }
 
 AMX4(8)

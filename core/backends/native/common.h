@@ -72,12 +72,12 @@ typedef struct {
   const uint8_t *w;
   const uint16_t *d, *m; /* float16 */
   const float *bias;     /* or NULL */
+  int64_t amx;           /* calls of this many rows or more take AMX (0: none; set only where q4_amx granted it) */
 } q4_layer;
 
 int q4_run(const q4_layer *layer, int isa, int threads, int64_t rows, const uint16_t *x, int64_t ldx, uint16_t *y);
 
-/* amx.c: whether q4_run takes AMX for `rows` rows, and the rows' products there. */
-int q4_amx_takes(int64_t rows);
+/* amx.c: the rows' products on AMX. */
 int q4_amx_run(const q4_layer *layer, int threads, int64_t rows, const int8_t *p, const float *e, const float *s,
                uint16_t *y);
 

@@ -28,7 +28,7 @@
  * at 1–8B shapes: 4–8 rows 10–25 % faster; one row streams at memory speed without it). */
 #define PF 4
 
-int q4_version(void) { return 13; }
+int q4_version(void) { return 14; }
 
 /* bf16 weights (N×K, N % 16 == 0, K % 32 == 0) → the kernel's layout in one pass, as core/q4.py's
  * quantize (4 bits: step = (max − min)/15 and q = round((w − min)/step) per group, d and m float16
@@ -444,7 +444,7 @@ int q4_run(const q4_layer *layer, int isa, int threads, int64_t rows, const uint
   const uint8_t *w = layer->w;
   const uint16_t *d = layer->d, *m = layer->m;
   const float *bias = layer->bias;
-  int amx = isa == 2 && q4_amx_takes(rows);
+  int amx = isa == 2 && layer->amx > 0 && rows >= layer->amx;
   int64_t padded = amx ? (rows + 15) / 16 * 16 : rows; /* AMX reads whole tiles of rows: the rest zeros */
   int8_t *p = malloc((size_t)(padded * k));
   float *e = malloc(sizeof(float) * (size_t)(padded * groups) * 2);
