@@ -337,3 +337,17 @@ def test_avx_vnni_passes_give_the_avx2_passes_bits(bits):
             assert torch.equal(layer(x[:rows]), want), rows
     finally:
         lib.q4_avx_vnni(0)
+
+
+def test_a_compiler_without_amx_and_avx_vnni_builds_the_library_without_them(tmp_path):
+    """GCC before 11 and clang before 12 know neither AMX nor AVX-VNNI: built as they would build
+    it (`Q4_NEW_ISAS=0`), the library says no to both and computes the same bits."""
+    lib = loaded()
+    target = tmp_path / "old.so"
+    flags = [*q4.FLAGS, "-DQ4_NEW_ISAS=0", *map(str, q4.SOURCES), "-o", str(target)]
+    subprocess.run([q4._compiler(), *flags], check=True, capture_output=True, timeout=300)
+    old = q4._open(target)
+    assert old.q4_amx() == -1 and old.q4_avx_vnni(1) == -1
+    gen = torch.Generator().manual_seed(12)
+    weight, x = torch.randn(48, 96, generator=gen) * 0.05, torch.randn(5, 96, generator=gen).to(torch.bfloat16)
+    assert torch.equal(q4.Packed(old, weight, None)(x), q4.Packed(lib, weight, None)(x))

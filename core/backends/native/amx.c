@@ -17,6 +17,15 @@
 
 #include "common.h"
 
+#if !Q4_NEW_ISAS
+int q4_amx(void) { return -1; }
+int q4_amx_run(const q4_layer *layer, int threads, int64_t rows, const int8_t *p, const float *e, const float *s,
+               uint16_t *y) {
+  (void)layer, (void)threads, (void)rows, (void)p, (void)e, (void)s, (void)y;
+  return -1;
+}
+#else
+
 #define TAMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8")))
 #define AMX_ROWS 16 /* rows of a tile */
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -199,3 +208,4 @@ TAMX int q4_amx_run(const q4_layer *layer, int threads, int64_t rows, const int8
   free(es);
   return 0;
 }
+#endif

@@ -28,6 +28,16 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even */
 }
 
 
+/* AMX's and AVX-VNNI's intrinsics and targets need GCC 11 or clang 12: an older compiler builds
+ * the library without them (amx.c's q4_amx and q4_avx_vnni then say no). */
+#ifndef Q4_NEW_ISAS
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define Q4_NEW_ISAS 1
+#else
+#define Q4_NEW_ISAS 0
+#endif
+#endif
+
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 #define T256 __attribute__((target("avx2,fma,f16c")))
 #define TVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))

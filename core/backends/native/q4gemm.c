@@ -28,7 +28,7 @@
  * at 1–8B shapes: 4–8 rows 10–25 % faster; one row streams at memory speed without it). */
 #define PF 4
 
-int q4_version(void) { return 14; }
+int q4_version(void) { return 15; }
 
 /* bf16 weights (N×K, N % 16 == 0, K % 32 == 0) → the kernel's layout in one pass, as core/q4.py's
  * quantize (4 bits: step = (max − min)/15 and q = round((w − min)/step) per group, d and m float16
@@ -272,7 +272,8 @@ T256 static void quantize_256(const uint16_t *x, int64_t k, int8_t *p, float *e,
   TARGET static void NAME##_##R(const uint8_t *w, const uint16_t *d, const uint16_t *m, int64_t groups,             \
                                const int8_t *p, const float *e, const float *s, int64_t k, const float *bias,       \
                                uint16_t *y, int64_t ldy) {                                                          \
-    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);                                         \
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1); /* ones: AVX2's FINISH */               \
+    (void)ones;                                                                                                      \
     float acc[R][16];                                                                                                \
     memset(acc, 0, sizeof acc);                                                                                      \
     for (int64_t g = 0; g < groups; g++) {                                                                           \
@@ -324,10 +325,17 @@ TILE256(1, tile256, T256, ADD16, TO32)
 TILE256(2, tile256, T256, ADD16, TO32)
 TILE256(3, tile256, T256, ADD16, TO32)
 TILE256(4, tile256, T256, ADD16, TO32)
+#if Q4_NEW_ISAS
 TILE256(1, tilevnni, TVNNI, ADD32, AS32)
 TILE256(2, tilevnni, TVNNI, ADD32, AS32)
 TILE256(3, tilevnni, TVNNI, ADD32, AS32)
 TILE256(4, tilevnni, TVNNI, ADD32, AS32)
+#else /* never taken: q4_avx_vnni says no */
+#define tilevnni_1 tile256_1
+#define tilevnni_2 tile256_2
+#define tilevnni_3 tile256_3
+#define tilevnni_4 tile256_4
+#endif
 
 static const tile_fn tiles256[2][ROWS256 + 1] = {{0, tile256_1, tile256_2, tile256_3, tile256_4},
                                                  {0, tilevnni_1, tilevnni_2, tilevnni_3, tilevnni_4}};
@@ -415,10 +423,17 @@ TILE256_8(1, tile256_8, T256, DOT16)
 TILE256_8(2, tile256_8, T256, DOT16)
 TILE256_8(3, tile256_8, T256, DOT16)
 TILE256_8(4, tile256_8, T256, DOT16)
+#if Q4_NEW_ISAS
 TILE256_8(1, tilevnni_8, TVNNI, ADD32)
 TILE256_8(2, tilevnni_8, TVNNI, ADD32)
 TILE256_8(3, tilevnni_8, TVNNI, ADD32)
 TILE256_8(4, tilevnni_8, TVNNI, ADD32)
+#else
+#define tilevnni_8_1 tile256_8_1
+#define tilevnni_8_2 tile256_8_2
+#define tilevnni_8_3 tile256_8_3
+#define tilevnni_8_4 tile256_8_4
+#endif
 
 typedef void (*tile8_fn)(const uint8_t *, const uint16_t *, int64_t, const int8_t *, const float *, int64_t,
                          const float *, uint16_t *, int64_t);
@@ -429,9 +444,14 @@ static int avx_vnni; /* whether the AVX2 variant's passes take AVX-VNNI (`q4_avx
 
 /* Take AVX-VNNI in the AVX2 variant (on: 1) or not (0). Returns 0, or -1 where the CPU has none. */
 int q4_avx_vnni(int on) {
+#if Q4_NEW_ISAS
   if (!__builtin_cpu_supports("avxvnni")) return -1;
   avx_vnni = on != 0;
   return 0;
+#else
+  (void)on;
+  return -1;
+#endif
 }
 
 /* ---------------------------------------------------------------- entry */
