@@ -26,9 +26,17 @@ static inline float bf(uint16_t b) { return bf16_to_float(b); }
     __m256 y = _mm256_hadd_ps(x0, x1), z = _mm256_hadd_ps(y, y);                                                     \
     _mm_unpacklo_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1));                                         \
   })
-/* 16 lanes: lane i and lane i + 8 added first, then as above. */
-#define FOLD512(r) _mm256_add_ps(_mm512_castps512_ps256(r), _mm512_extractf32x8_ps(r, 1))
-#define REDUCE4_512(r0, r1, r2, r3) REDUCE4_256(FOLD512(r0), FOLD512(r1), FOLD512(r2), FOLD512(r3))
+/* 16 lanes: lane i and lane i + 8 added first, then as above (the same sums in the same pairs, with
+ * fewer shuffles: two keys a vector, then four). */
+#define REDUCE4_512(r0, r1, r2, r3)                                                                                  \
+  ({                                                                                                                 \
+    __m512 a01 = _mm512_add_ps(_mm512_shuffle_f32x4(r0, r1, 0x44), _mm512_shuffle_f32x4(r0, r1, 0xEE));             \
+    __m512 a23 = _mm512_add_ps(_mm512_shuffle_f32x4(r2, r3, 0x44), _mm512_shuffle_f32x4(r2, r3, 0xEE));             \
+    __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(a01, a23, 0x88), _mm512_shuffle_f32x4(a01, a23, 0xDD));           \
+    __m512 w = _mm512_add_ps(u, _mm512_permute_ps(u, 0xB1));                                                         \
+    w = _mm512_add_ps(w, _mm512_permute_ps(w, 0x4E));                                                                \
+    _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), w)); \
+  })
 
 /* s[m·padded + j] = qf_m · key j for G queries (qf: G rows of d floats) and the keys [j0, j1)
  * (keys from `length` on read key length - 1: the caller masks them). The callers go over the
