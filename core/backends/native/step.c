@@ -16,7 +16,24 @@ static inline float bf(uint16_t b) { return bf16_to_float(b); }
  * depend on its own q and the keys it sees, not on the queries it is grouped with nor on the
  * slots of the keys it does not see (their weights are an exact 0). */
 #define ALWAYS static inline __attribute__((always_inline))
-#define GROUP_Q 3 /* queries whose scores and weighted values are made together (registers) */
+#define GROUP_MAX 6 /* the most queries whose scores and weighted values are made together (registers: */
+/* 6 with AVX-512's 32 vector registers, 3 with AVX2's 16; the `GQ` of SCORES and VALUES) */
+/* F(G, ...) for the group size g ≤ GQ, G a constant (the kernels are unrolled by it). */
+#define BY_GROUP(GQ, g, F, ...)                                                                                      \
+  do {                                                                                                               \
+    if (GQ >= 6 && g == 6)                                                                                           \
+      F(6, __VA_ARGS__);                                                                                             \
+    else if (GQ >= 5 && g == 5)                                                                                      \
+      F(5, __VA_ARGS__);                                                                                             \
+    else if (GQ >= 4 && g == 4)                                                                                      \
+      F(4, __VA_ARGS__);                                                                                             \
+    else if (g == 3)                                                                                                 \
+      F(3, __VA_ARGS__);                                                                                             \
+    else if (g == 2)                                                                                                 \
+      F(2, __VA_ARGS__);                                                                                             \
+    else                                                                                                             \
+      F(1, __VA_ARGS__);                                                                                             \
+  } while (0)
 
 /* Four 8-lane partial sums → their four sums, each ((l0+l4) + (l1+l5)) + ((l2+l6) + (l3+l7)). */
 #define REDUCE4_256(r0, r1, r2, r3)                                                                                  \
@@ -43,7 +60,7 @@ static inline float bf(uint16_t b) { return bf16_to_float(b); }
  * keys in spans of SPAN, every group of queries in turn on a span (its keys stay in cache). */
 #define SPAN 256
 #define AHEAD_KEYS 16 /* keys ahead whose keys and values a pass prefetches (past the end: a hint, never read) */
-#define SCORES(NAME, TARGET, VEC, W, P, LOAD_BF, REDUCE4)                                                            \
+#define SCORES(NAME, TARGET, VEC, W, P, LOAD_BF, REDUCE4, GQ)                                                            \
   TARGET ALWAYS void NAME##_g(const int G, int64_t D, const float *qf, const uint16_t *k, int64_t length,           \
                               int64_t padded, int64_t from, int64_t to, float *s) {                                  \
     int64_t d = W * D;                                                                                               \
@@ -51,7 +68,7 @@ static inline float bf(uint16_t b) { return bf16_to_float(b); }
       const uint16_t *kj[4];                                                                                         \
       for (int jj = 0; jj < 4; jj++) kj[jj] = k + (j0 + jj < length ? j0 + jj : length - 1) * d;                     \
       for (int64_t b = 0; b < 4 * d * 2; b += 64) _mm_prefetch((const char *)(k + (j0 + AHEAD_KEYS) * d) + b, _MM_HINT_T0); \
-      VEC r[GROUP_Q][4], key[4];                                                                                     \
+      VEC r[GROUP_MAX][4], key[4];                                                                                       \
       for (int jj = 0; jj < 4; jj++) key[jj] = LOAD_BF(kj[jj]);                                                      \
       for (int m = 0; m < G; m++) {                                                                                  \
         VEC qm = P##_loadu_ps(qf + m * d);                                                                           \
@@ -71,16 +88,9 @@ static inline float bf(uint16_t b) { return bf16_to_float(b); }
                           float *s) {                                                                                \
     for (int64_t from = 0; from < padded; from += SPAN) {                                                            \
       int64_t to = padded - from < SPAN ? padded : from + SPAN;                                                      \
-      for (int64_t m = 0; m < n; m += GROUP_Q) {                                                                     \
-        int64_t g = n - m < GROUP_Q ? n - m : GROUP_Q;                                                               \
-        const float *qm = qf + m * d;                                                                                \
-        float *sm = s + m * padded;                                                                                  \
-        if (g == 3)                                                                                                  \
-          NAME##_g(3, d / W, qm, k, length, padded, from, to, sm);                                                   \
-        else if (g == 2)                                                                                             \
-          NAME##_g(2, d / W, qm, k, length, padded, from, to, sm);                                                   \
-        else                                                                                                         \
-          NAME##_g(1, d / W, qm, k, length, padded, from, to, sm);                                                   \
+      for (int64_t m = 0; m < n; m += GQ) {                                                                          \
+        int64_t g = n - m < GQ ? n - m : GQ;                                                                         \
+        BY_GROUP(GQ, g, NAME##_g, d / W, qf + m * d, k, length, padded, from, to, s + m * padded);                   \
       }                                                                                                              \
     }                                                                                                                \
   }
@@ -89,16 +99,16 @@ static inline float bf(uint16_t b) { return bf16_to_float(b); }
  * keys [from, to) in order; C vectors of a row at a time (the row in blocks of C), VALUE_BLOCK
  * keys at a time (their values then read again from the cache for the next C vectors). */
 #define VALUE_BLOCK 16
-#define VALUES(NAME, TARGET, VEC, W, P, LOAD_BF)                                                                     \
+#define VALUES(NAME, TARGET, VEC, W, P, LOAD_BF, GQ)                                                                     \
   TARGET ALWAYS void NAME##_gc(const int G, const int C, int64_t d, int64_t c0, int64_t j0, int64_t stop,           \
                                const float *p, int64_t padded, const uint16_t *v, float *acc) {                      \
-    VEC a[GROUP_Q][4];                                                                                               \
+    VEC a[GROUP_MAX][4];                                                                                             \
     for (int m = 0; m < G; m++)                                                                                      \
       for (int c = 0; c < C; c++) a[m][c] = P##_loadu_ps(acc + m * d + W * (c0 + c));                                \
     for (int64_t j = j0; j < stop; j++) {                                                                            \
       if (c0 == 0)                                                                                                   \
         for (int64_t l = 0; l < d * 2; l += 64) _mm_prefetch((const char *)(v + (j + AHEAD_KEYS) * d) + l, _MM_HINT_T0); \
-      VEC b[GROUP_Q];                                                                                                \
+      VEC b[GROUP_MAX];                                                                                                \
       for (int m = 0; m < G; m++) b[m] = P##_set1_ps(p[m * padded + j]);                                             \
       for (int c = 0; c < C; c++) {                                                                                  \
         VEC x = LOAD_BF(v + j * d + W * (c0 + c));                                                                   \
@@ -111,7 +121,7 @@ static inline float bf(uint16_t b) { return bf16_to_float(b); }
   TARGET ALWAYS void NAME##_g(const int G, int64_t d, int64_t from, int64_t to, const float *p, int64_t padded,     \
                               const uint16_t *v, float *acc, float *total) {                                         \
     int64_t D = d / W;                                                                                               \
-    float t[GROUP_Q] = {0.0f, 0.0f, 0.0f};                                                                           \
+    float t[GROUP_MAX] = {0.0f};                                                                           \
     for (int m = 0; m < G; m++) t[m] = total[m];                                                                     \
     for (int64_t j = from; j < to; j++) /* the queries' sums side by side: independent chains */                   \
       for (int m = 0; m < G; m++) t[m] += p[m * padded + j];                                                         \
@@ -131,15 +141,9 @@ static inline float bf(uint16_t b) { return bf16_to_float(b); }
     }                                                                                                                \
     for (int64_t from = 0; from < length; from += SPAN) {                                                            \
       int64_t to = length - from < SPAN ? length : from + SPAN;                                                      \
-      for (int64_t m = 0; m < n; m += GROUP_Q) {                                                                     \
-        int64_t g = n - m < GROUP_Q ? n - m : GROUP_Q;                                                               \
-        const float *pm = p + m * padded;                                                                            \
-        if (g == 3)                                                                                                  \
-          NAME##_g(3, d, from, to, pm, padded, v, acc + m * d, total + m);                                           \
-        else if (g == 2)                                                                                             \
-          NAME##_g(2, d, from, to, pm, padded, v, acc + m * d, total + m);                                           \
-        else                                                                                                         \
-          NAME##_g(1, d, from, to, pm, padded, v, acc + m * d, total + m);                                           \
+      for (int64_t m = 0; m < n; m += GQ) {                                                                          \
+        int64_t g = n - m < GQ ? n - m : GQ;                                                                         \
+        BY_GROUP(GQ, g, NAME##_g, d, from, to, p + m * padded, padded, v, acc + m * d, total + m);                   \
       }                                                                                                              \
     }                                                                                                                \
   }
@@ -180,10 +184,10 @@ static inline float bf(uint16_t b) { return bf16_to_float(b); }
 
 #define ROUND256(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define ROUND512(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-SCORES(scores512, T512, __m512, 16, _mm512, LOAD_BF512, REDUCE4_512)
-SCORES(scores256, T256, __m256, 8, _mm256, LOAD_BF256, REDUCE4_256)
-VALUES(values512, T512, __m512, 16, _mm512, LOAD_BF512)
-VALUES(values256, T256, __m256, 8, _mm256, LOAD_BF256)
+SCORES(scores512, T512, __m512, 16, _mm512, LOAD_BF512, REDUCE4_512, 6)
+SCORES(scores256, T256, __m256, 8, _mm256, LOAD_BF256, REDUCE4_256, 3)
+VALUES(values512, T512, __m512, 16, _mm512, LOAD_BF512, 6)
+VALUES(values256, T256, __m256, 8, _mm256, LOAD_BF256, 3)
 EXPS(exps512, T512, __m512, __m512i, 16, _mm512, ROUND512, _mm512_castsi512_ps)
 EXPS(exps256, T256, __m256, __m256i, 8, _mm256, ROUND256, _mm256_castsi256_ps)
 
