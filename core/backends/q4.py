@@ -37,11 +37,12 @@ from core.backends.quantize import GROUP, reference
 NATIVE = Path(__file__).parent / "native"
 SOURCES = (
     NATIVE / "q4gemm.c",
+    NATIVE / "avx2.c",
     NATIVE / "amx.c",
     NATIVE / "step.c",
     NATIVE / "decode.c",
 )  # compiled together, with common.h
-VERSION = 15  # q4_version() of the source above
+VERSION = 16  # q4_version() of the source above
 TILE = 16  # outputs per tile (inputs per scale: `quantize.GROUP`)
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
 ISAS = {"avx512-vnni": 2, "avx2": 1}  # the kernel variants, as q4_gemm numbers them

@@ -10,6 +10,7 @@
 #define TILE 16
 #define TILE_BYTES 256 /* 16 outputs × 32 inputs × 4 bits */
 #define CHUNK 64       /* rows per pass over a tile's weights */
+#define TILE_BYTES8 512 /* 16 outputs × 32 inputs × 8 bits */
 
 
 static inline float bf16_to_float(uint16_t b) {
@@ -86,6 +87,11 @@ typedef struct {
 } q4_layer;
 
 int q4_run(const q4_layer *layer, int isa, int threads, int64_t rows, const uint16_t *x, int64_t ldx, uint16_t *y);
+
+/* avx2.c: one row's activations quantized per group (AVX2), and the rows' products there. */
+void q4_quantize256(const uint16_t *x, int64_t k, int8_t *p, float *e, float *s);
+void q4_avx2_run(const q4_layer *layer, int threads, int64_t rows, const int8_t *p, const float *e, const float *s,
+                 uint16_t *y);
 
 /* amx.c: the rows' products on AMX. */
 int q4_amx_run(const q4_layer *layer, int threads, int64_t rows, const int8_t *p, const float *e, const float *s,

@@ -28,7 +28,7 @@
  * at 1–8B shapes: 4–8 rows 10–25 % faster; one row streams at memory speed without it). */
 #define PF 4
 
-int q4_version(void) { return 15; }
+int q4_version(void) { return 16; }
 
 /* bf16 weights (N×K, N % 16 == 0, K % 32 == 0) → the kernel's layout in one pass, as core/q4.py's
  * quantize (4 bits: step = (max − min)/15 and q = round((w − min)/step) per group, d and m float16
@@ -220,126 +220,6 @@ typedef void (*reg_fn)(const uint8_t *, const uint16_t *, const uint16_t *, int6
                        const float *, int64_t, const float *, uint16_t *, int64_t);
 static const reg_fn regs512[5] = {0, reg512_1, reg512_2, reg512_3, reg512_4};
 
-typedef void (*tile_fn)(const uint8_t *, const uint16_t *, const uint16_t *, int64_t, const int8_t *, const float *,
-                        const float *, int64_t, const float *, uint16_t *, int64_t);
-
-/* ---------------------------------------------------------------- AVX2 */
-
-
-T256 static inline float hmax256(__m256 v) {
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_max_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
-}
-
-T256 static inline float hsum256(__m256 v) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
-}
-
-T256 static void quantize_256(const uint16_t *x, int64_t k, int8_t *p, float *e, float *s) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  for (int64_t g = 0; g < k / GROUP; g++) {
-    const uint16_t *xg = x + g * GROUP;
-    __m256 a[4];
-    __m256 mx = _mm256_setzero_ps();
-    for (int i = 0; i < 4; i++) {
-      a[i] = LOAD_BF256(xg + 8 * i);
-      mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, a[i]));
-    }
-    float amax = hmax256(mx);
-    float scale = amax / 127.0f;
-    __m256 inv = _mm256_set1_ps(scale != 0.0f ? 127.0f / amax : 0.0f);
-    __m256i q[4];
-    for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(a[i], inv));
-    __m256i q01 = _mm256_packs_epi32(q[0], q[1]), q23 = _mm256_packs_epi32(q[2], q[3]);
-    __m256i bytes = _mm256_packs_epi16(q01, q23); /* lanes interleaved: undo with a dword permute */
-    bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256((void *)(p + g * GROUP), bytes);
-    e[g] = scale;
-    __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-    s[g] = scale * hsum256(_mm256_cvtepi32_ps(sum)); /* Σ of the quantized a: see q4_run */
-  }
-}
-
-/* Rows [0, R) of one tile, both halves (8 outputs each) from one broadcast of the activations.
- * A group's products are summed in int16: each of its 8 `vpmaddubsw` pairs is at most
- * 2·15·127 = 3810 in size, so their sum stays below 32767; then one `vpmaddwd` to int32. */
-#define TILE256(R, NAME, TARGET, ADD, FINISH)                                                                       \
-  TARGET static void NAME##_##R(const uint8_t *w, const uint16_t *d, const uint16_t *m, int64_t groups,             \
-                               const int8_t *p, const float *e, const float *s, int64_t k, const float *bias,       \
-                               uint16_t *y, int64_t ldy) {                                                          \
-    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1); /* ones: AVX2's FINISH */               \
-    (void)ones;                                                                                                      \
-    float acc[R][16];                                                                                                \
-    memset(acc, 0, sizeof acc);                                                                                      \
-    for (int64_t g = 0; g < groups; g++) {                                                                           \
-      const uint8_t *wg = w + g * TILE_BYTES;                                                                        \
-      __m256i sum[R][2];                                                                                             \
-      for (int r = 0; r < R; r++) sum[r][0] = sum[r][1] = _mm256_setzero_si256();                                  \
-      for (int h = 0; h < 4; h++) {                                                                                  \
-        __m256i v0 = _mm256_loadu_si256((const void *)(wg + 64 * h));                                                \
-        __m256i v1 = _mm256_loadu_si256((const void *)(wg + 64 * h + 32));                                           \
-        __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);            \
-        __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);            \
-        for (int r = 0; r < R; r++) {                                                                                \
-          const int8_t *pr = p + r * k + g * GROUP + 8 * h;                                                          \
-          int32_t lo4, hi4;                                                                                          \
-          memcpy(&lo4, pr, 4);                                                                                       \
-          memcpy(&hi4, pr + 4, 4);                                                                                   \
-          __m256i a0 = _mm256_set1_epi32(lo4), a1 = _mm256_set1_epi32(hi4);                                          \
-          sum[r][0] = ADD(ADD(sum[r][0], lo0, a0), hi0, a1);                                                         \
-          sum[r][1] = ADD(ADD(sum[r][1], lo1, a0), hi1, a1);                                                         \
-        }                                                                                                            \
-      }                                                                                                              \
-      for (int half = 0; half < 2; half++) {                                                                         \
-        __m256 dg = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(d + g * TILE + 8 * half)));                     \
-        __m256 mg = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(m + g * TILE + 8 * half)));                     \
-        for (int r = 0; r < R; r++) {                                                                                \
-          int64_t eg = r * (k / GROUP) + g;                                                                          \
-          __m256 dot = _mm256_cvtepi32_ps(FINISH(sum[r][half]));                                                     \
-          __m256 a = _mm256_fmadd_ps(dot, _mm256_mul_ps(dg, _mm256_set1_ps(e[eg])), _mm256_loadu_ps(acc[r] + 8 * half)); \
-          _mm256_storeu_ps(acc[r] + 8 * half, _mm256_fmadd_ps(mg, _mm256_set1_ps(s[eg]), a));                        \
-        }                                                                                                            \
-      }                                                                                                              \
-    }                                                                                                                \
-    for (int half = 0; half < 2; half++) {                                                                           \
-      __m256 bv = bias ? _mm256_loadu_ps(bias + 8 * half) : _mm256_setzero_ps();                                     \
-      for (int r = 0; r < R; r++)                                                                                    \
-        store_bf256(y + r * ldy + 8 * half, round_bf256(_mm256_add_ps(_mm256_loadu_ps(acc[r] + 8 * half), bv))); \
-    }                                                                                                                \
-  }
-
-#define ROWS256 4 /* rows a pass (measured: 3 is no faster, though 4 leaves no spare register) */
-/* AVX2: a group's products summed in int16 (`vpmaddubsw`), then to int32 once; AVX-VNNI
- * (`vpdpbusd` on 256 bits, Intel's client CPUs without AVX-512): straight to int32. The sums are
- * exact either way, so the two give the same bits. */
-#define ADD16(sum, w, a) _mm256_add_epi16(sum, _mm256_maddubs_epi16(w, a))
-#define TO32(sum) _mm256_madd_epi16(sum, ones)
-#define ADD32(sum, w, a) _mm256_dpbusd_avx_epi32(sum, w, a)
-#define AS32(sum) (sum)
-TILE256(1, tile256, T256, ADD16, TO32)
-TILE256(2, tile256, T256, ADD16, TO32)
-TILE256(3, tile256, T256, ADD16, TO32)
-TILE256(4, tile256, T256, ADD16, TO32)
-#if Q4_NEW_ISAS
-TILE256(1, tilevnni, TVNNI, ADD32, AS32)
-TILE256(2, tilevnni, TVNNI, ADD32, AS32)
-TILE256(3, tilevnni, TVNNI, ADD32, AS32)
-TILE256(4, tilevnni, TVNNI, ADD32, AS32)
-#else /* never taken: q4_avx_vnni says no */
-#define tilevnni_1 tile256_1
-#define tilevnni_2 tile256_2
-#define tilevnni_3 tile256_3
-#define tilevnni_4 tile256_4
-#endif
-
-static const tile_fn tiles256[2][ROWS256 + 1] = {{0, tile256_1, tile256_2, tile256_3, tile256_4},
-                                                 {0, tilevnni_1, tilevnni_2, tilevnni_3, tilevnni_4}};
-
 /* ---------------------------------------------------------------- 8-bit weights
  *
  * For a matrix kept at 8 bits (the embedded model's lm_head is GGUF Q8_0): w = d·q, q in
@@ -347,8 +227,6 @@ static const tile_fn tiles256[2][ROWS256 + 1] = {{0, tile256_1, tile256_2, tile2
  * 64u + 4j + i = q[k = 4u + i][j] (u < 8 quads). VNNI multiplies unsigned by signed bytes, so
  * there the activations go in shifted by 128 and the shift comes back out exactly through
  * c = 128·Σq (int32 per tile, group and output, in the `m` slot). AVX2 uses the sign trick. */
-#define TILE_BYTES8 512
-
 #define PAIR512_8(TILES)                                                                                             \
   T512 static void pair512_8_##TILES(const uint8_t *w, const uint16_t *d, const int32_t *c, int64_t groups,       \
                                      const int8_t *p, const float *e, int64_t k, int64_t rows, const float *bias, \
@@ -388,72 +266,6 @@ static const tile_fn tiles256[2][ROWS256 + 1] = {{0, tile256_1, tile256_2, tile2
 PAIR512_8(1)
 PAIR512_8(2)
 
-/* AVX2, 8-bit weights: rows [0, R) of one tile, half by half. */
-#define TILE256_8(R, NAME, TARGET, DOT)                                                                              \
-  TARGET static void NAME##_##R(const uint8_t *w, const uint16_t *d, int64_t groups, const int8_t *p,             \
-                                 const float *e, int64_t k, const float *bias, uint16_t *y, int64_t ldy) {        \
-    const __m256i ones = _mm256_set1_epi16(1);                                                                      \
-    for (int half = 0; half < 2; half++) {                                                                           \
-      __m256 acc[R];                                                                                                 \
-      for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                                    \
-      for (int64_t g = 0; g < groups; g++) {                                                                         \
-        __m256i dot[R];                                                                                              \
-        for (int r = 0; r < R; r++) dot[r] = _mm256_setzero_si256();                                               \
-        for (int u = 0; u < 8; u++) {                                                                                \
-          __m256i wv = _mm256_loadu_si256((const void *)(w + g * TILE_BYTES8 + 64 * u + 32 * half));                 \
-          __m256i aw = _mm256_sign_epi8(wv, wv);                                                                     \
-          for (int r = 0; r < R; r++) {                                                                              \
-            int32_t quad;                                                                                            \
-            memcpy(&quad, p + r * k + g * GROUP + 4 * u, 4);                                                         \
-            __m256i sa = _mm256_sign_epi8(_mm256_set1_epi32(quad), wv);                                              \
-            dot[r] = DOT(dot[r], aw, sa);                                                                            \
-          }                                                                                                          \
-        }                                                                                                            \
-        __m256 dg = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(d + g * TILE + 8 * half)));                     \
-        for (int r = 0; r < R; r++)                                                                                  \
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_mul_ps(dg, _mm256_set1_ps(e[r * (k / GROUP) + g])), acc[r]); \
-      }                                                                                                              \
-      __m256 bv = bias ? _mm256_loadu_ps(bias + 8 * half) : _mm256_setzero_ps();                                     \
-      for (int r = 0; r < R; r++) store_bf256(y + r * ldy + 8 * half, round_bf256(_mm256_add_ps(acc[r], bv)));     \
-    }                                                                                                                \
-  }
-
-#define DOT16(dot, w, a) _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones))
-TILE256_8(1, tile256_8, T256, DOT16)
-TILE256_8(2, tile256_8, T256, DOT16)
-TILE256_8(3, tile256_8, T256, DOT16)
-TILE256_8(4, tile256_8, T256, DOT16)
-#if Q4_NEW_ISAS
-TILE256_8(1, tilevnni_8, TVNNI, ADD32)
-TILE256_8(2, tilevnni_8, TVNNI, ADD32)
-TILE256_8(3, tilevnni_8, TVNNI, ADD32)
-TILE256_8(4, tilevnni_8, TVNNI, ADD32)
-#else
-#define tilevnni_8_1 tile256_8_1
-#define tilevnni_8_2 tile256_8_2
-#define tilevnni_8_3 tile256_8_3
-#define tilevnni_8_4 tile256_8_4
-#endif
-
-typedef void (*tile8_fn)(const uint8_t *, const uint16_t *, int64_t, const int8_t *, const float *, int64_t,
-                         const float *, uint16_t *, int64_t);
-static const tile8_fn tiles256_8[2][ROWS256 + 1] = {{0, tile256_8_1, tile256_8_2, tile256_8_3, tile256_8_4},
-                                                     {0, tilevnni_8_1, tilevnni_8_2, tilevnni_8_3, tilevnni_8_4}};
-
-static int avx_vnni; /* whether the AVX2 variant's passes take AVX-VNNI (`q4_avx_vnni`) */
-
-/* Take AVX-VNNI in the AVX2 variant (on: 1) or not (0). Returns 0, or -1 where the CPU has none. */
-int q4_avx_vnni(int on) {
-#if Q4_NEW_ISAS
-  if (!__builtin_cpu_supports("avxvnni")) return -1;
-  avx_vnni = on != 0;
-  return 0;
-#else
-  (void)on;
-  return -1;
-#endif
-}
-
 /* ---------------------------------------------------------------- entry */
 
 
@@ -484,7 +296,7 @@ int q4_run(const q4_layer *layer, int isa, int threads, int64_t rows, const uint
     if (isa == 2)
       quantize_512(x + r * ldx, k, p + r * k, e + r * groups, s + r * groups);
     else
-      quantize_256(x + r * ldx, k, p + r * k, e + r * groups, s + r * groups);
+      q4_quantize256(x + r * ldx, k, p + r * k, e + r * groups, s + r * groups);
   }
   if (amx) {
     int code = q4_amx_run(layer, threads, rows, p, e, s, y);
@@ -516,18 +328,7 @@ int q4_run(const q4_layer *layer, int isa, int threads, int64_t rows, const uint
                                         count, bt, yt, n, acc);
       }
   } else {
-    int64_t passes = (rows + ROWS256 - 1) / ROWS256;
-#pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
-    for (int64_t t = 0; t < tiles; t++)
-      for (int64_t pass = 0; pass < passes; pass++) {
-        int64_t r0 = pass * ROWS256, count = rows - r0 < ROWS256 ? rows - r0 : ROWS256, at = t * groups * TILE;
-        const float *bt = bias ? bias + t * TILE : 0;
-        if (eight)
-          tiles256_8[avx_vnni][count](w + t * stride, d + at, groups, p + r0 * k, e + r0 * groups, k, bt, y + r0 * n + t * TILE, n);
-        else
-          tiles256[avx_vnni][count](w + t * stride, d + at, m + at, groups, p + r0 * k, e + r0 * groups, s + r0 * groups, k, bt,
-                          y + r0 * n + t * TILE, n);
-      }
+    q4_avx2_run(layer, threads, rows, p, e, s, y);
   }
   free(p);
   free(e);
