@@ -106,15 +106,26 @@ def head_by_row(head: lean.PackedLinear, record: Path) -> bool:
     model makes the same choice; a new measurement (a changed kernel library) turns an earlier
     choice over only when the ratio is clearly on the other side of 2."""
     key = _key(f"lm_head by row {head.out_features}x{head.in_features}", head.kernel)
+
+    def decide(earlier: bool | None) -> bool:
+        ratio = _head_ratio(head)
+        return earlier if earlier is not None and abs(ratio / 2 - 1) < CLEAR_WIN - 1 else ratio > 2
+
+    return _remembered(record, key, bool, decide)
+
+
+def _remembered(record: Path, key: str, kind: type, decide):
+    """The value of type `kind` remembered in `record` under `key`; else `decide(earlier)` (which
+    measures; `earlier`: the value measured with another build of the kernel library, or None),
+    written there and returned."""
     known = _read(record)
-    if isinstance(known.get(key), bool):
+    if isinstance(known.get(key), kind):
         return known[key]
-    ratio = _head_ratio(head)
     earlier = _earlier(known, key)
-    by_row = earlier if isinstance(earlier, bool) and abs(ratio / 2 - 1) < CLEAR_WIN - 1 else ratio > 2
-    known[key] = by_row
+    value = decide(earlier if isinstance(earlier, kind) else None)
+    known[key] = value
     _write(record, known)
-    return by_row
+    return value
 
 
 def _head_ratio(head: lean.PackedLinear, rows: int = 8) -> float:
@@ -139,19 +150,15 @@ def amx_rows(hidden: int, inner: int, record: Path) -> int:
     two differ clearly (`CLEAR_WIN`) at it."""
     if not q4.amx():
         return 0
-    key = _key(f"amx rows {hidden}x{inner}")
-    known = _read(record)
-    if isinstance(known.get(key), int):
-        return known[key]
-    ratios = _amx_ratios(hidden, inner)  # VNNI's time over AMX's, by row count
-    winning = [rows for rows in AMX_ROWS if all(ratios[r] > 1 for r in AMX_ROWS if r >= rows)]
-    rows = winning[0] if winning else 0
-    earlier = _earlier(known, key)
-    if isinstance(earlier, int) and earlier in ratios and abs(ratios[earlier] - 1) < CLEAR_WIN - 1:
-        rows = earlier
-    known[key] = rows
-    _write(record, known)
-    return rows
+
+    def decide(earlier: int | None) -> int:
+        ratios = _amx_ratios(hidden, inner)  # VNNI's time over AMX's, by row count
+        if earlier in ratios and abs(ratios[earlier] - 1) < CLEAR_WIN - 1:
+            return earlier
+        winning = [rows for rows in AMX_ROWS if all(ratios[r] > 1 for r in AMX_ROWS if r >= rows)]
+        return winning[0] if winning else 0
+
+    return _remembered(record, _key(f"amx rows {hidden}x{inner}"), int, decide)
 
 
 def _amx_ratios(hidden: int, inner: int) -> dict[int, float]:
@@ -166,16 +173,12 @@ def avx_vnni(hidden: int, inner: int, record: Path) -> bool:
     turns an earlier choice over only when the ratio is clearly on the other side."""
     if not q4.avx_vnni():
         return False
-    key = _key(f"avx-vnni {hidden}x{inner}")
-    known = _read(record)
-    if isinstance(known.get(key), bool):
-        return known[key]
-    ratio = _avx_vnni_ratio(hidden, inner)  # AVX2's time over AVX-VNNI's
-    earlier = _earlier(known, key)
-    on = earlier if isinstance(earlier, bool) and abs(ratio - 1) < CLEAR_WIN - 1 else ratio > 1
-    known[key] = on
-    _write(record, known)
-    return on
+
+    def decide(earlier: bool | None) -> bool:
+        ratio = _avx_vnni_ratio(hidden, inner)  # AVX2's time over AVX-VNNI's
+        return earlier if earlier is not None and abs(ratio - 1) < CLEAR_WIN - 1 else ratio > 1
+
+    return _remembered(record, _key(f"avx-vnni {hidden}x{inner}"), bool, decide)
 
 
 def _avx_vnni_ratio(hidden: int, inner: int) -> float:
