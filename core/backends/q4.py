@@ -42,7 +42,7 @@ SOURCES = (
     NATIVE / "step.c",
     NATIVE / "decode.c",
 )  # compiled together, with common.h
-VERSION = 16  # q4_version() of the source above
+VERSION = 17  # q4_version() of the source above
 TILE = 16  # outputs per tile (inputs per scale: `quantize.GROUP`)
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
 ISAS = {"avx512-vnni": 2, "avx2": 1}  # the kernel variants, as q4_gemm numbers them

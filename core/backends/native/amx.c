@@ -142,7 +142,7 @@ TAMX static inline __attribute__((always_inline)) void store_rows(int R, const _
     __m512 acc[R];                                                                                                   \
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();                                                      \
     for (int64_t i = 0; i < groups + AHEAD; i++) {                                                                   \
-      if (i < groups) product(i, p + i * GROUP, k, w + i * 512, 64, sums[i % RING]);                                \
+      if (i < groups) product(i, p + i * GROUP, k, w + i * TILE_BYTES8, 64, sums[i % RING]);                        \
       int64_t g = i - AHEAD;                                                                                         \
       if (g >= 0) {                                                                                                  \
         const int32_t *sg = sums[g % RING];                                                                          \
@@ -161,6 +161,9 @@ AMX4(16)
 AMX8(8)
 AMX8(16)
 
+/* The rows a pass of `count` rows runs as (its tiles' row count, its kernel): 8 or 16. */
+static int pass_rows(int64_t count) { return count <= 8 ? 8 : 16; }
+
 /* e and s (rows × groups) → by group, `size` rows a group, for rows [r0, r0 + size) (zeros past
  * `rows`): a pass's broadcasts then read one place a group. */
 static void by_group(const float *x, int64_t rows, int64_t groups, int64_t r0, int size, float *out) {
@@ -174,13 +177,13 @@ static void by_group(const float *x, int64_t rows, int64_t groups, int64_t r0, i
 TAMX int q4_amx_run(const q4_layer *layer, int threads, int64_t rows, const int8_t *p, const float *e, const float *s,
                     uint16_t *y) {
   int64_t n = layer->n, k = layer->k, groups = k / GROUP, tiles = n / TILE;
-  const int64_t stride = groups * (layer->bits == 8 ? 512 : TILE_BYTES);
+  const int64_t stride = groups * (layer->bits == 8 ? TILE_BYTES8 : TILE_BYTES);
   int64_t chunks = (rows + AMX_ROWS - 1) / AMX_ROWS;
   float *es = malloc(sizeof(float) * (size_t)(chunks * AMX_ROWS * groups) * 2);
   if (!es) return -1;
   float *ss = es + chunks * AMX_ROWS * groups;
   for (int64_t c = 0; c < chunks; c++) {
-    int size = rows - c * AMX_ROWS <= 8 ? 8 : 16;
+    int size = pass_rows(rows - c * AMX_ROWS);
     by_group(e, rows, groups, c * AMX_ROWS, size, es + c * AMX_ROWS * groups);
     by_group(s, rows, groups, c * AMX_ROWS, size, ss + c * AMX_ROWS * groups);
   }
@@ -191,7 +194,7 @@ TAMX int q4_amx_run(const q4_layer *layer, int threads, int64_t rows, const int8
     for (int64_t t = 0; t < tiles; t++)
       for (int64_t c = 0; c < chunks; c++) {
         int64_t r0 = c * AMX_ROWS, count = rows - r0 < AMX_ROWS ? rows - r0 : AMX_ROWS, at = t * groups * TILE;
-        int size = count <= 8 ? 8 : 16;
+        int size = pass_rows(count);
         if (configured != size) configure(configured = size);
         const float *bt = layer->bias ? layer->bias + t * TILE : 0;
         const int8_t *pc = p + r0 * k;

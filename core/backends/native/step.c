@@ -52,7 +52,8 @@ static inline float bf(uint16_t b) { return bf16_to_float(b); }
     __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(a01, a23, 0x88), _mm512_shuffle_f32x4(a01, a23, 0xDD));           \
     __m512 w = _mm512_add_ps(u, _mm512_permute_ps(u, 0xB1));                                                         \
     w = _mm512_add_ps(w, _mm512_permute_ps(w, 0x4E));                                                                \
-    _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), w)); \
+    __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0); /* each key's lane 0 */     \
+    _mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, w));                                                        \
   })
 
 /* s[m·padded + j] = qf_m · key j for G queries (qf: G rows of d floats) and the keys [j0, j1)
@@ -60,15 +61,16 @@ static inline float bf(uint16_t b) { return bf16_to_float(b); }
  * keys in spans of SPAN, every group of queries in turn on a span (its keys stay in cache). */
 #define SPAN 256
 #define AHEAD_KEYS 16 /* keys ahead whose keys and values a pass prefetches (past the end: a hint, never read) */
-#define SCORES(NAME, TARGET, VEC, W, P, LOAD_BF, REDUCE4, GQ)                                                            \
+#define SCORES(NAME, TARGET, VEC, W, P, LOAD_BF, REDUCE4, GQ)                                                        \
   TARGET ALWAYS void NAME##_g(const int G, int64_t D, const float *qf, const uint16_t *k, int64_t length,           \
                               int64_t padded, int64_t from, int64_t to, float *s) {                                  \
     int64_t d = W * D;                                                                                               \
     for (int64_t j0 = from; j0 < to; j0 += 4) {                                                                      \
       const uint16_t *kj[4];                                                                                         \
       for (int jj = 0; jj < 4; jj++) kj[jj] = k + (j0 + jj < length ? j0 + jj : length - 1) * d;                     \
-      for (int64_t b = 0; b < 4 * d * 2; b += 64) _mm_prefetch((const char *)(k + (j0 + AHEAD_KEYS) * d) + b, _MM_HINT_T0); \
-      VEC r[GROUP_MAX][4], key[4];                                                                                       \
+      for (int64_t b = 0; b < 4 * d * 2; b += 64)                                                                    \
+        _mm_prefetch((const char *)(k + (j0 + AHEAD_KEYS) * d) + b, _MM_HINT_T0);                                      \
+      VEC r[GROUP_MAX][4], key[4];                                                                                   \
       for (int jj = 0; jj < 4; jj++) key[jj] = LOAD_BF(kj[jj]);                                                      \
       for (int m = 0; m < G; m++) {                                                                                  \
         VEC qm = P##_loadu_ps(qf + m * d);                                                                           \
@@ -99,7 +101,7 @@ static inline float bf(uint16_t b) { return bf16_to_float(b); }
  * keys [from, to) in order; C vectors of a row at a time (the row in blocks of C), VALUE_BLOCK
  * keys at a time (their values then read again from the cache for the next C vectors). */
 #define VALUE_BLOCK 16
-#define VALUES(NAME, TARGET, VEC, W, P, LOAD_BF, GQ)                                                                     \
+#define VALUES(NAME, TARGET, VEC, W, P, LOAD_BF, GQ)                                                                 \
   TARGET ALWAYS void NAME##_gc(const int G, const int C, int64_t d, int64_t c0, int64_t j0, int64_t stop,           \
                                const float *p, int64_t padded, const uint16_t *v, float *acc) {                      \
     VEC a[GROUP_MAX][4];                                                                                             \
@@ -107,7 +109,8 @@ static inline float bf(uint16_t b) { return bf16_to_float(b); }
       for (int c = 0; c < C; c++) a[m][c] = P##_loadu_ps(acc + m * d + W * (c0 + c));                                \
     for (int64_t j = j0; j < stop; j++) {                                                                            \
       if (c0 == 0)                                                                                                   \
-        for (int64_t l = 0; l < d * 2; l += 64) _mm_prefetch((const char *)(v + (j + AHEAD_KEYS) * d) + l, _MM_HINT_T0); \
+        for (int64_t l = 0; l < d * 2; l += 64)                                                                      \
+          _mm_prefetch((const char *)(v + (j + AHEAD_KEYS) * d) + l, _MM_HINT_T0);                                   \
       VEC b[GROUP_MAX];                                                                                                \
       for (int m = 0; m < G; m++) b[m] = P##_set1_ps(p[m * padded + j]);                                             \
       for (int c = 0; c < C; c++) {                                                                                  \
