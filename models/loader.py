@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
-from core.backends import lean, q4
+from core.backends import lean, q4, stepops
 from core.backends.base import Backend
 from core.backends.torch import TorchBackend
 from core.drafters.eagle import EagleDraft, load_draft
@@ -194,6 +194,10 @@ def cpu_choice(config: object | None, dtype: str | None, int4: bool) -> kernels.
     hidden = getattr(config, "hidden_size", 1024)
     inner = getattr(config, "intermediate_size", 4 * hidden)
     record = cache_dir() / "cpu-kernels.json"
+    heads = getattr(config, "num_attention_heads", 0) or 1
+    dim = getattr(config, "head_dim", None) or hidden // heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    stepops.use_amx_scores(kernels.amx_scores(heads, kv, dim, record))
     if int4:  # the 4-bit kernels' flavors first: the kernels are then timed as they will run
         q4.use_amx(kernels.amx_rows(hidden, inner, record))
         q4.use_avx_vnni(kernels.avx_vnni(hidden, inner, record))

@@ -39,10 +39,11 @@ SOURCES = (
     NATIVE / "q4gemm.c",
     NATIVE / "avx2.c",
     NATIVE / "amx.c",
+    NATIVE / "attend_amx.c",
     NATIVE / "step.c",
     NATIVE / "decode.c",
 )  # compiled together, with common.h
-VERSION = 17  # q4_version() of the source above
+VERSION = 18  # q4_version() of the source above
 TILE = 16  # outputs per tile (inputs per scale: `quantize.GROUP`)
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
 ISAS = {"avx512-vnni": 2, "avx2": 1}  # the kernel variants, as q4_gemm numbers them
@@ -210,8 +211,8 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.q4_rmsnorm.restype = None
     lib.q4_decode.argtypes = [ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64]
     lib.q4_decode.restype = ctypes.c_int
-    lib.q4_amx.argtypes = []
-    lib.q4_amx.restype = ctypes.c_int
+    lib.q4_amx.argtypes = lib.q4_amx_scores.argtypes = []
+    lib.q4_amx.restype = lib.q4_amx_scores.restype = ctypes.c_int
     lib.q4_avx_vnni.argtypes = [ctypes.c_int]
     lib.q4_avx_vnni.restype = ctypes.c_int
     return lib

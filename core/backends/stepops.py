@@ -4,13 +4,16 @@ row, so a tree's rows get exactly the bits one-token steps would (see q4gemm.c).
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from core.backends.q4 import ISAS, isa, library
+from core.backends.q4 import ISAS, amx, isa, library
 
 HEAD_STEP, MAX_HEAD = 16, 512  # the head sizes the attention kernel takes (step.c)
+AMX_SCORES = 4  # added to the variant's number: attention's scores on AMX (attend_amx.c, heads of 32k)
+_chosen = {"amx scores": False}
 
 
 class Ops:
@@ -19,8 +22,14 @@ class Ops:
 
     MAX_ROWS = 64  # longer blocks (a prompt's prefill) keep torch's attention
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self.lib, self.variant = lib, ISAS[isa()]
+    def __init__(self, lib: ctypes.CDLL, amx_scores: bool | None = None) -> None:
+        """`amx_scores`: attention's scores on AMX (None: as `use_amx_scores` chose last)."""
+        on = _chosen["amx scores"] if amx_scores is None else amx_scores and can_amx_scores()
+        self.lib, self.variant = lib, ISAS[isa()] | (AMX_SCORES if on else 0)
+
+    def amx_scores(self, head_dim: int) -> bool:
+        """Whether attention over heads of `head_dim` takes its scores on AMX (heads of 32k)."""
+        return bool(self.variant & AMX_SCORES) and head_dim % 32 == 0
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         """(rows, n) bf16 with contiguous rows → the same shape, normalized. A bf16 `weight`:
@@ -62,6 +71,23 @@ class Ops:
         )  # fmt: skip
         raise_for(code, d)
         return out
+
+
+def can_amx_scores() -> bool:
+    """Whether attention's scores may run on AMX here (attend_amx.c): the many-row passes may
+    (`q4.amx`) and the CPU has AMX's bf16 products."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags and amx() and library().q4_amx_scores() == 0
+
+
+def use_amx_scores(on: bool) -> None:
+    """The models loaded from now on take attention's scores on AMX (on) or in vectors, where
+    `can_amx_scores()`. A model keeps its choice for its whole session: the two differ in the
+    scores' last bits, and a kept cache must be read with the kernel that wrote it."""
+    _chosen["amx scores"] = bool(on) and can_amx_scores()
 
 
 def raise_for(code: int, head_dim: int) -> None:

@@ -43,7 +43,9 @@ class LeanBackend(OnModel):
         head = getattr(self.model.get_output_embeddings(), "kernel", "dense")
         whole = " in one call" if self.forward.native is not None else ""
         flavors = q4.flavors(self._amx_rows()) if {kernel, head} & {"q4", "q8"} else ""
-        return f"lean, {kernel} layers{whole}, {head} lm_head{' by node' if self.row_head else ''}{flavors}"
+        ops = self.forward.layers[0].ops if self.forward.layers else None
+        scores = ", AMX scores" if ops is not None and ops.amx_scores(self.forward.layers[0].head_dim) else ""
+        return f"lean, {kernel} layers{whole}, {head} lm_head{' by node' if self.row_head else ''}{flavors}{scores}"
 
     def _amx_rows(self) -> int:
         """From how many rows the library's weights take AMX (0: none): the lm_head's or a layer's."""

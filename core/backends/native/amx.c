@@ -39,13 +39,6 @@ int q4_amx(void) {
   return granted ? 0 : -1;
 }
 
-typedef struct {
-  uint8_t palette, start;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-} tile_config;
-
 /* Two sets of tiles, taken by turns (even and odd groups), so that a group's loads need not wait
  * for the last group's product to leave its tiles: sums 0 | 4 (rows × 16 int32), activations
  * 1 | 5 (rows × 32 bytes: one group), weights 2 | 6 (8 quads × 64 bytes). */

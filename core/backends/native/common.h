@@ -77,6 +77,39 @@ T512 static inline void store_rows512(int tiles, int64_t rows, const float *acc,
   }
 }
 
+/* e^x lane by lane for x <= 0, as 2^n · e^r, r = x - n·ln 2 (ln 2 in two parts), e^r by a
+ * polynomial, to about 2 ulp (0 below -87). */
+#define EXP_FLOOR -87.0f
+#define EXP_LOG2E 1.44269504f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO 2.12194440e-4f /* subtracted: ln 2 = EXP_LN2_HI - EXP_LN2_LO */
+#define EXP_P0 1.9875691500e-4f
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
+#define EXP_VEC(NAME, TARGET, VEC, VECI, P, ROUND, CAST)                                                              \
+  TARGET static inline VEC NAME(VEC x) {                                                                             \
+    VEC y = P##_max_ps(x, P##_set1_ps(EXP_FLOOR));                                                                   \
+    VEC n = ROUND(P##_mul_ps(y, P##_set1_ps(EXP_LOG2E)));                                                            \
+    VEC r = P##_fnmadd_ps(n, P##_set1_ps(EXP_LN2_HI), y);                                                            \
+    r = P##_fmadd_ps(n, P##_set1_ps(EXP_LN2_LO), r);                                                                 \
+    VEC e = P##_set1_ps(EXP_P0);                                                                                     \
+    e = P##_fmadd_ps(e, r, P##_set1_ps(EXP_P1));                                                                     \
+    e = P##_fmadd_ps(e, r, P##_set1_ps(EXP_P2));                                                                     \
+    e = P##_fmadd_ps(e, r, P##_set1_ps(EXP_P3));                                                                     \
+    e = P##_fmadd_ps(e, r, P##_set1_ps(EXP_P4));                                                                     \
+    e = P##_fmadd_ps(e, r, P##_set1_ps(EXP_P5));                                                                     \
+    e = P##_fmadd_ps(P##_mul_ps(e, r), r, P##_add_ps(r, P##_set1_ps(1.0f)));                                         \
+    VECI bits = P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(n), P##_set1_epi32(127)), 23);                          \
+    return P##_mul_ps(e, CAST(bits));                                                                                \
+  }
+#define ROUND256(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define ROUND512(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+EXP_VEC(exp512, T512, __m512, __m512i, _mm512, ROUND512, _mm512_castsi512_ps)
+EXP_VEC(exp256, T256, __m256, __m256i, _mm256, ROUND256, _mm256_castsi256_ps)
+
 /* One packed weight (core/q4.py's Layer). */
 typedef struct {
   int64_t n, k, bits; /* bits: 4 or 8 */
@@ -97,13 +130,35 @@ void q4_avx2_run(const q4_layer *layer, int threads, int64_t rows, const int8_t 
 int q4_amx_run(const q4_layer *layer, int threads, int64_t rows, const int8_t *p, const float *e, const float *s,
                uint16_t *y);
 
+/* AMX's tile configuration (palette 1): each tile's rows and bytes a row. */
+typedef struct {
+  uint8_t palette, start;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} tile_config;
+
+/* step.c's softmax and weighted values of a part once its scores are made (its WEIGHTED), and
+ * attend_amx.c's attention of one part with its scores on AMX. */
+void weighted512(int64_t n, int64_t d, const uint16_t *v, int64_t from, int64_t to, int64_t open,
+                 const uint16_t *const *mask, float *scores, float *top, float *total, float *acc);
+#define ISA_AMX_SCORES 4 /* added to the AVX-512 variant's number: attention's scores on AMX */
+#define AMX_QUERIES 16   /* the most queries one AMX part serves (a tile's columns) */
+#define AMX_WORK(d) (256 + 16 * (d)) /* its scratch besides the scores, in floats */
+int q4_amx_scores(void);
+void q4_amx_begin(void);
+void q4_amx_end(void);
+void q4_part_amx(int64_t n, int64_t d, const uint16_t *const *q, float scale, const uint16_t *k, const uint16_t *v,
+                 int64_t from, int64_t to, int64_t open, const uint16_t *const *mask, float *scores, float *scratch,
+                 float *top, float *total, float *acc);
+
 /* step.c's vector e^x for x <= 0, in place (count a multiple of 16, or of 8 for the AVX2 one). */
 void exps512(int64_t count, float *x);
 void exps256(int64_t count, float *x);
 
 /* step.c's attention of t rows (mask rows ldm apart; keys before `open` seen by every row) and
  * the first key some row does not see. */
-int q4_attend(int isa, int threads, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, int64_t length,
+int q4_attend(int isa, int amx, int threads, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, int64_t length,
               int64_t first, const uint16_t *q, int64_t ldq, const uint16_t *k, const uint16_t *v, int64_t capacity,
               const uint16_t *mask, int64_t ldm, int64_t open, float scale, uint16_t *out);
 int64_t q4_first_hidden(const uint16_t *mask, int64_t t, int64_t length, int64_t ldm);

@@ -151,48 +151,19 @@ static inline float bf(uint16_t b) { return bf16_to_float(b); }
     }                                                                                                                \
   }
 
-/* e^x as 2^n · e^r, r = x - n·ln 2 (ln 2 in two parts), e^r by a polynomial, to about 2 ulp (0
- * below -87): EXPS's constants. */
-#define EXP_FLOOR -87.0f
-#define EXP_LOG2E 1.44269504f
-#define EXP_LN2_HI 0.693359375f
-#define EXP_LN2_LO 2.12194440e-4f /* subtracted: ln 2 = EXP_LN2_HI - EXP_LN2_LO */
-#define EXP_P0 1.9875691500e-4f
-#define EXP_P1 1.3981999507e-3f
-#define EXP_P2 8.3334519073e-3f
-#define EXP_P3 4.1665795894e-2f
-#define EXP_P4 1.6666665459e-1f
-#define EXP_P5 5.0000001201e-1f
-
-/* x ← e^x lane by lane for x <= 0 (2^n · a polynomial in the remainder: EXP_*); count
- * a multiple of the lanes. Also decode.c's gated activations (common.h). */
-#define EXPS(NAME, TARGET, VEC, VECI, W, P, ROUND, CAST)                                                            \
+/* x ← e^x lane by lane for x <= 0 (common.h's EXP_VEC); count a multiple of the lanes. Also
+ * decode.c's gated activations (common.h). */
+#define EXPS(NAME, TARGET, VEC, W, P, EXP)                                                                            \
   TARGET void NAME(int64_t count, float *x) {                                                                        \
-    for (int64_t j = 0; j < count; j += W) {                                                                         \
-      VEC y = P##_max_ps(P##_loadu_ps(x + j), P##_set1_ps(EXP_FLOOR));                                               \
-      VEC n = ROUND(P##_mul_ps(y, P##_set1_ps(EXP_LOG2E)));                                                          \
-      VEC r = P##_fnmadd_ps(n, P##_set1_ps(EXP_LN2_HI), y);                                                          \
-      r = P##_fmadd_ps(n, P##_set1_ps(EXP_LN2_LO), r);                                                               \
-      VEC e = P##_set1_ps(EXP_P0);                                                                                   \
-      e = P##_fmadd_ps(e, r, P##_set1_ps(EXP_P1));                                                                   \
-      e = P##_fmadd_ps(e, r, P##_set1_ps(EXP_P2));                                                                   \
-      e = P##_fmadd_ps(e, r, P##_set1_ps(EXP_P3));                                                                   \
-      e = P##_fmadd_ps(e, r, P##_set1_ps(EXP_P4));                                                                   \
-      e = P##_fmadd_ps(e, r, P##_set1_ps(EXP_P5));                                                                   \
-      e = P##_fmadd_ps(P##_mul_ps(e, r), r, P##_add_ps(r, P##_set1_ps(1.0f)));                                       \
-      VECI bits = P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(n), P##_set1_epi32(127)), 23);                        \
-      P##_storeu_ps(x + j, P##_mul_ps(e, CAST(bits)));                                                               \
-    }                                                                                                                \
+    for (int64_t j = 0; j < count; j += W) P##_storeu_ps(x + j, EXP(P##_loadu_ps(x + j)));                          \
   }
 
-#define ROUND256(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define ROUND512(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 SCORES(scores512, T512, __m512, 16, _mm512, LOAD_BF512, REDUCE4_512, 6)
 SCORES(scores256, T256, __m256, 8, _mm256, LOAD_BF256, REDUCE4_256, 3)
 VALUES(values512, T512, __m512, 16, _mm512, LOAD_BF512, 6)
 VALUES(values256, T256, __m256, 8, _mm256, LOAD_BF256, 3)
-EXPS(exps512, T512, __m512, __m512i, 16, _mm512, ROUND512, _mm512_castsi512_ps)
-EXPS(exps256, T256, __m256, __m256i, 8, _mm256, ROUND256, _mm256_castsi256_ps)
+EXPS(exps512, T512, __m512, 16, _mm512, exp512)
+EXPS(exps256, T256, __m256, 8, _mm256, exp256)
 
 /* Attention of up to QUERIES queries that share a kv head (their q scaled, as floats: qf),
  * against the keys and values [from, to) of one part: each query's top score there (-inf where it
@@ -205,13 +176,13 @@ EXPS(exps256, T256, __m256, __m256i, 8, _mm256, ROUND256, _mm256_castsi256_ps)
 #define KEYS 16
 #define PADDED(length) (((length) + KEYS - 1) / KEYS * KEYS)
 #define PART_WORK(n, length) ((n) * PADDED(length))
-#define ATTEND(NAME, SCORES, VALUES, EXPS, TARGET)                                                                   \
-  TARGET static void NAME(int64_t n, int64_t d, const float *qf, const uint16_t *k, const uint16_t *v, int64_t from, \
-                          int64_t to, int64_t open, const uint16_t *const *mask, float *work, float *top,            \
-                          float *total, float *acc) {                                                                \
+/* A part's softmax and weighted values once its scores (n rows of `padded`, the part's keys [from,
+ * to)) are made: each query's top, weights (an exact 0 for a key it does not see) and their sum,
+ * then its weighted values. Also attend_amx.c's, after its scores. */
+#define WEIGHTED(NAME, VALUES, EXPS, TARGET)                                                                         \
+  TARGET void NAME(int64_t n, int64_t d, const uint16_t *v, int64_t from, int64_t to, int64_t open,                  \
+                   const uint16_t *const *mask, float *scores, float *top, float *total, float *acc) {              \
     int64_t length = to - from, padded = PADDED(length), seen = open > from ? open : from;                           \
-    float *scores = work;                                                                                            \
-    SCORES(n, d, qf, k + from * d, length, padded, scores);                                                          \
     for (int64_t m = 0; m < n; m++) { /* softmax weights, unnormalized */                                            \
       float *sm = scores + m * padded, t = -INFINITY;                                                                \
       if (mask[m])                                                                                                   \
@@ -233,9 +204,19 @@ EXPS(exps256, T256, __m256, __m256i, 8, _mm256, ROUND256, _mm256_castsi256_ps)
     }                                                                                                                \
     VALUES(n, d, length, scores, padded, v + from * d, acc, total);                                                  \
   }
+WEIGHTED(weighted512, values512, exps512, T512)
+WEIGHTED(weighted256, values256, exps256, T256)
 
-ATTEND(attend512, scores512, values512, exps512, T512)
-ATTEND(attend256, scores256, values256, exps256, T256)
+/* One part's attention: its scores in vectors, then WEIGHTED. */
+#define ATTEND(NAME, SCORES, WEIGHTED, TARGET)                                                                       \
+  TARGET static void NAME(int64_t n, int64_t d, const float *qf, const uint16_t *k, const uint16_t *v, int64_t from, \
+                          int64_t to, int64_t open, const uint16_t *const *mask, float *work, float *top,            \
+                          float *total, float *acc) {                                                                \
+    SCORES(n, d, qf, k + from * d, to - from, PADDED(to - from), work);                                              \
+    WEIGHTED(n, d, v, from, to, open, mask, work, top, total, acc);                                                  \
+  }
+ATTEND(attend512, scores512, weighted512, T512)
+ATTEND(attend256, scores256, weighted256, T256)
 
 /* Long key ranges are cut into parts at fixed key positions (multiples of SPLIT counted from
  * position 0, whatever the first key's position), each part's attention made on its own and
@@ -292,8 +273,10 @@ static void join(const block *k, int64_t size, int64_t d, int64_t parts, int64_t
  * (kv_heads × capacity × d, the first `length` used; key 0 at position `first`); query head h
  * reads kv head h / (heads / kv_heads). mask: t rows of ldm bf16 (the first `length` used), 0
  * where a query sees a key (NULL: every key is seen); keys before `open` are seen by every query
- * (q4_attention finds it). Returns 0, or -1 when scratch memory could not be had. */
-int q4_attend(int isa, int threads, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, int64_t length,
+ * (q4_attention finds it); amx: the scores on AMX (attend_amx.c; d a multiple of 32, the AVX-512
+ * variant; q4_attention and q4_decode take it where the variant's number has ISA_AMX_SCORES and d
+ * allows). Returns 0, or -1 when scratch memory could not be had. */
+int q4_attend(int isa, int amx, int threads, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, int64_t length,
               int64_t first, const uint16_t *q, int64_t ldq, const uint16_t *k, const uint16_t *v, int64_t capacity,
               const uint16_t *mask, int64_t ldm, int64_t open, float scale, uint16_t *out) {
   int64_t parts = (first + length + SPLIT - 1) / SPLIT - first / SPLIT; /* cut at the multiples of SPLIT */
@@ -301,7 +284,8 @@ int q4_attend(int isa, int threads, int64_t t, int64_t heads, int64_t kv_heads, 
    * QUERIES allows; with one part, as many as give every thread the same number of them (a
    * one-token step's 3 queries a kv head split 2 + 1 on two threads: the second block finds the
    * keys in cache). */
-  int64_t group = heads / kv_heads, queries = t * group, per = (queries + QUERIES - 1) / QUERIES;
+  int64_t most = amx ? AMX_QUERIES : QUERIES, group = heads / kv_heads, queries = t * group;
+  int64_t per = (queries + most - 1) / most;
   while (parts == 1 && (kv_heads * per) % threads && per < queries) per++;
   int64_t size = (queries + per - 1) / per, blocks = (queries + size - 1) / size;
   int64_t stride = RESULT(size, d), span = parts == 1 ? length : SPLIT; /* a part's results; its most keys */
@@ -310,11 +294,12 @@ int q4_attend(int isa, int threads, int64_t t, int64_t heads, int64_t kv_heads, 
   int failed = 0;
 #pragma omp parallel num_threads(threads) if (t * heads * length >= 1024)
   {
-    float *work = malloc(sizeof(float) * (size_t)(PART_WORK(size, span) + size * d));
+    float *work = malloc(sizeof(float) * (size_t)(PART_WORK(size, span) + (amx ? AMX_WORK(d) : size * d)));
     if (!work) {
 #pragma omp atomic write
       failed = 1;
     }
+    if (amx) q4_amx_begin();
 #pragma omp for schedule(static) collapse(3)
     for (int64_t g = 0; g < kv_heads; g++)
       for (int64_t b = 0; b < blocks; b++)
@@ -323,14 +308,21 @@ int q4_attend(int isa, int threads, int64_t t, int64_t heads, int64_t kv_heads, 
           block kb;
           block_of(g, b, size, queries, group, heads, d, q, ldq, mask, ldm, out, &kb);
           float *qf = work + PART_WORK(size, span), *res = results + ((g * blocks + b) * parts + p) * stride;
+          int64_t from = p == 0 ? 0 : (first / SPLIT + p) * SPLIT - first;
+          int64_t to = p == parts - 1 ? length : (first / SPLIT + p + 1) * SPLIT - first;
+          const uint16_t *kg = k + g * capacity * d, *vg = v + g * capacity * d;
+          if (amx) {
+            q4_part_amx(kb.n, d, kb.q, scale, kg, vg, from, to, open, kb.mask, work, qf, res, res + size,
+                        res + 2 * size);
+            continue;
+          }
           for (int64_t m = 0; m < kb.n; m++) {
             _Pragma("omp simd") for (int64_t i = 0; i < d; i++) qf[m * d + i] = bf(kb.q[m][i]) * scale;
           }
-          int64_t from = p == 0 ? 0 : (first / SPLIT + p) * SPLIT - first;
-          int64_t to = p == parts - 1 ? length : (first / SPLIT + p + 1) * SPLIT - first;
-          (isa == 2 ? attend512 : attend256)(kb.n, d, qf, k + g * capacity * d, v + g * capacity * d, from, to, open,
-                                             kb.mask, work, res, res + size, res + 2 * size);
+          (isa == 2 ? attend512 : attend256)(kb.n, d, qf, kg, vg, from, to, open, kb.mask, work, res, res + size,
+                                             res + 2 * size);
         }
+    if (amx) q4_amx_end();
 #pragma omp for schedule(static) collapse(2)
     for (int64_t g = 0; g < kv_heads; g++)
       for (int64_t b = 0; b < blocks; b++) {
@@ -358,7 +350,7 @@ int q4_attention(int isa, int threads, int64_t t, int64_t heads, int64_t kv_head
                  const uint16_t *q, int64_t ldq, const uint16_t *k, const uint16_t *v, int64_t capacity,
                  const uint16_t *mask, float scale, uint16_t *out) {
   if (d > 512 || d % HEAD_STEP) return -2;
-  return q4_attend(isa, threads, t, heads, kv_heads, d, length, 0, q, ldq, k, v, capacity, mask, length,
+  return q4_attend(isa & ~ISA_AMX_SCORES, isa & ISA_AMX_SCORES && d % 32 == 0, threads, t, heads, kv_heads, d, length, 0, q, ldq, k, v, capacity, mask, length,
                    q4_first_hidden(mask, t, length, length), scale, out);
 }
 
