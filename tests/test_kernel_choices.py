@@ -242,36 +242,36 @@ def test_avx_vnni_is_not_taken_where_plain_avx2_is_emulated(monkeypatch):
     assert not q4.avx_vnni()
 
 
-def test_the_amx_scores_choice_is_remembered_and_turns_only_on_a_clear_ratio(tmp_path, monkeypatch):
+def test_the_amx_attention_choice_is_remembered_and_turns_only_on_a_clear_ratio(tmp_path, monkeypatch):
     _library()
-    monkeypatch.setattr(stepops, "can_amx_scores", lambda: True)
-    key = kernels._key("amx scores 9x3x64")
+    monkeypatch.setattr(stepops, "can_amx_attention", lambda: True)
+    key = kernels._key("amx attention 9x3x64")
     old_key = kernels._LIBRARY_ID.sub("|kernels 000000000000", key)
     for ratio, earlier, want in ((1.05, False, False), (0.95, True, True), (1.4, False, True), (0.8, True, False)):
         record = _record(tmp_path, {old_key: earlier})
-        monkeypatch.setattr(kernels, "_amx_scores_ratio", lambda h, k, d, ratio=ratio: ratio)
-        assert kernels.amx_scores(9, 3, 64, record) is want
-        monkeypatch.setattr(kernels, "_amx_scores_ratio", lambda h, k, d: pytest.fail("measured again"))
+        monkeypatch.setattr(kernels, "_amx_attention_ratio", lambda h, k, d, ratio=ratio: ratio)
+        assert kernels.amx_attention(9, 3, 64, record) is want
+        monkeypatch.setattr(kernels, "_amx_attention_ratio", lambda h, k, d: pytest.fail("measured again"))
         for _launch in range(4):
-            assert kernels.amx_scores(9, 3, 64, record) is want  # remembered: nothing is timed
-    assert kernels.amx_scores(8, 2, 48, tmp_path / "odd.json") is False  # heads of 48: not on tiles
-    monkeypatch.setattr(stepops, "can_amx_scores", lambda: False)
-    assert kernels.amx_scores(9, 3, 64, tmp_path / "none.json") is False
+            assert kernels.amx_attention(9, 3, 64, record) is want  # remembered: nothing is timed
+    assert kernels.amx_attention(8, 2, 48, tmp_path / "odd.json") is False  # heads of 48: not on tiles
+    monkeypatch.setattr(stepops, "can_amx_attention", lambda: False)
+    assert kernels.amx_attention(9, 3, 64, tmp_path / "none.json") is False
 
 
-def test_the_amx_scores_choice_is_measured_on_this_machine(tmp_path):
+def test_the_amx_attention_choice_is_measured_on_this_machine(tmp_path):
     """Where the CPU has AMX's bf16 products, both kernels are timed and the choice follows the
     ratio (a one-token step's loss bounded); a model loaded after it names it in its forward."""
     _library()
-    if not stepops.can_amx_scores():
+    if not stepops.can_amx_attention():
         pytest.skip("this CPU (or its Linux) does not give AMX's bf16 products")
-    ratio = kernels._amx_scores_ratio(9, 3, 64)
+    ratio = kernels._amx_attention_ratio(9, 3, 64)
     assert 0.2 < ratio < 5
-    chosen = kernels.amx_scores(9, 3, 64, tmp_path / "record.json")
+    chosen = kernels.amx_attention(9, 3, 64, tmp_path / "record.json")
     assert chosen is (ratio > 1) or abs(ratio - 1) < kernels.CLEAR_WIN - 1
     try:
-        stepops.use_amx_scores(True)
-        assert stepops.ops(torch.bfloat16).amx_scores(64) and not stepops.ops(torch.bfloat16).amx_scores(48)
+        stepops.use_amx_attention(True)
+        assert stepops.ops(torch.bfloat16).amx_attention(64) and not stepops.ops(torch.bfloat16).amx_attention(48)
     finally:
-        stepops.use_amx_scores(False)
-    assert not stepops.ops(torch.bfloat16).amx_scores(64)
+        stepops.use_amx_attention(False)
+    assert not stepops.ops(torch.bfloat16).amx_attention(64)

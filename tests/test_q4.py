@@ -148,13 +148,13 @@ def test_without_a_compiler_the_reason_is_given_and_torch_int4_stays(fresh, monk
 def ops_or_skip(variant: str) -> stepops.Ops:
     """The step ops of a variant, or of "amx-scores" (AVX-512 with attention's scores on AMX)."""
     amx = variant == "amx-scores"
-    if amx and not (loaded() and stepops.can_amx_scores()):
+    if amx and not (loaded() and stepops.can_amx_attention()):
         pytest.skip("this CPU (or its Linux) does not give AMX's bf16 products")
     if not amx and variant not in variants():
         pytest.skip(f"this CPU does not run the {variant} variant")
     loaded()
     ops = stepops.ops(torch.bfloat16)
-    ops.variant = q4.ISAS["avx512-vnni"] | stepops.AMX_SCORES if amx else q4.ISAS[variant]
+    ops.variant = q4.ISAS["avx512-vnni"] | stepops.AMX_SCORES | 8 if amx else q4.ISAS[variant]
     return ops
 
 

@@ -211,8 +211,8 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.q4_rmsnorm.restype = None
     lib.q4_decode.argtypes = [ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64]
     lib.q4_decode.restype = ctypes.c_int
-    lib.q4_amx.argtypes = lib.q4_amx_scores.argtypes = []
-    lib.q4_amx.restype = lib.q4_amx_scores.restype = ctypes.c_int
+    lib.q4_amx.argtypes = lib.q4_amx_attention.argtypes = []
+    lib.q4_amx.restype = lib.q4_amx_attention.restype = ctypes.c_int
     lib.q4_avx_vnni.argtypes = [ctypes.c_int]
     lib.q4_avx_vnni.restype = ctypes.c_int
     return lib

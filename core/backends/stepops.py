@@ -12,8 +12,8 @@ from torch import Tensor
 from core.backends.q4 import ISAS, amx, isa, library
 
 HEAD_STEP, MAX_HEAD = 16, 512  # the head sizes the attention kernel takes (step.c)
-AMX_SCORES = 4  # added to the variant's number: attention's scores on AMX (attend_amx.c, heads of 32k)
-_chosen = {"amx scores": False}
+AMX_SCORES, AMX_VALUES = 4, 8  # added to the variant's number: attention on AMX (attend_amx.c, heads of 32k)
+_chosen = {"amx attention": False}
 
 
 class Ops:
@@ -22,13 +22,13 @@ class Ops:
 
     MAX_ROWS = 64  # longer blocks (a prompt's prefill) keep torch's attention
 
-    def __init__(self, lib: ctypes.CDLL, amx_scores: bool | None = None) -> None:
-        """`amx_scores`: attention's scores on AMX (None: as `use_amx_scores` chose last)."""
-        on = _chosen["amx scores"] if amx_scores is None else amx_scores and can_amx_scores()
-        self.lib, self.variant = lib, ISAS[isa()] | (AMX_SCORES if on else 0)
+    def __init__(self, lib: ctypes.CDLL, amx_attention: bool | None = None) -> None:
+        """`amx_attention`: attention on AMX (None: as `use_amx_attention` chose last)."""
+        on = _chosen["amx attention"] if amx_attention is None else amx_attention and can_amx_attention()
+        self.lib, self.variant = lib, ISAS[isa()] | (AMX_SCORES | AMX_VALUES if on else 0)
 
-    def amx_scores(self, head_dim: int) -> bool:
-        """Whether attention over heads of `head_dim` takes its scores on AMX (heads of 32k)."""
+    def amx_attention(self, head_dim: int) -> bool:
+        """Whether attention over heads of `head_dim` runs on AMX (heads of 32k)."""
         return bool(self.variant & AMX_SCORES) and head_dim % 32 == 0
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -55,16 +55,19 @@ class Ops:
         return head_dim % HEAD_STEP == 0 and head_dim <= MAX_HEAD
 
     def attention(
-        self, q: Tensor, keys: Tensor, values: Tensor, length: int, mask: Tensor | None, scale: float | None = None
-    ) -> Tensor:
+        self, q: Tensor, keys: Tensor, values: Tensor, length: int, mask: Tensor | None, scale: float | None = None,
+        window: bool = False,
+    ) -> Tensor:  # fmt: skip
         """q (t, heads, d) with contiguous heads, keys and values (kv heads, capacity, d), of which
         the first `length` are used; mask (t, length) bf16, 0 where a key is seen, or None (all
-        seen) → (t, heads · d). `scale`: the scores' (default d^-0.5)."""
+        seen) → (t, heads · d). `scale`: the scores' (default d^-0.5); `window`: a sliding-window
+        layer's (its mask hides early keys: AMX then makes the scores alone, see attend_amx.c)."""
         t, heads, d = q.shape
         kv, capacity = keys.shape[0], keys.shape[1]
         out = torch.empty(t, heads * d, dtype=torch.bfloat16)
+        variant = self.variant & ~AMX_VALUES if window else self.variant
         code = self.lib.q4_attention(
-            self.variant, torch.get_num_threads(), t, heads, kv, d, length, q.data_ptr(), q.stride(0),
+            variant, torch.get_num_threads(), t, heads, kv, d, length, q.data_ptr(), q.stride(0),
             keys.data_ptr(), values.data_ptr(), capacity, None if mask is None else mask.data_ptr(),
             d**-0.5 if scale is None else scale,
             out.data_ptr(),
@@ -73,21 +76,21 @@ class Ops:
         return out
 
 
-def can_amx_scores() -> bool:
-    """Whether attention's scores may run on AMX here (attend_amx.c): the many-row passes may
-    (`q4.amx`) and the CPU has AMX's bf16 products."""
+def can_amx_attention() -> bool:
+    """Whether attention may run on AMX here (attend_amx.c): the many-row passes may (`q4.amx`)
+    and the CPU has AMX's bf16 products."""
     try:
         flags = Path("/proc/cpuinfo").read_text().split()
     except OSError:
         return False
-    return "amx_bf16" in flags and amx() and library().q4_amx_scores() == 0
+    return "amx_bf16" in flags and amx() and library().q4_amx_attention() == 0
 
 
-def use_amx_scores(on: bool) -> None:
-    """The models loaded from now on take attention's scores on AMX (on) or in vectors, where
-    `can_amx_scores()`. A model keeps its choice for its whole session: the two differ in the
-    scores' last bits, and a kept cache must be read with the kernel that wrote it."""
-    _chosen["amx scores"] = bool(on) and can_amx_scores()
+def use_amx_attention(on: bool) -> None:
+    """The models loaded from now on run attention on AMX (on) or in vectors, where
+    `can_amx_attention()`. A model keeps its choice for its whole session: the two differ in their
+    last bits, and a kept cache must be read with the kernel that wrote it."""
+    _chosen["amx attention"] = bool(on) and can_amx_attention()
 
 
 def raise_for(code: int, head_dim: int) -> None:

@@ -32,8 +32,8 @@ DRAFT_TIMED = 64 * 2**20  # at most this many bytes of float32 weight timed for 
 CLEAR_WIN = 1.1  # a remeasured kernel choice replaces the one measured before only when it is this much faster
 AMX_ROWS = (2, 4, 8, 12, 16, 32)  # the row counts timed for AMX (`amx_rows`)
 FLAVOR_REPEATS = 5  # timings by turns of a kernel flavor on and off (`amx_rows`, `avx_vnni`)
-SCORE_KEYS = 2048  # keys of the attention timed for AMX's scores (`amx_scores`)
-ONE_ROW_LOSS = 0.05  # the most a one-token step's attention may lose for AMX's scores to be taken
+AMX_KEYS = 2048  # keys of the attention timed for AMX (`amx_attention`)
+ONE_ROW_LOSS = 0.1  # the most a one-token step's attention may lose for AMX to be taken
 HEAD_REPEATS = 9  # interleaved timings of one and eight rows through the lm_head (their medians compared)
 WITHOUT_LIBRARY = "without the kernel library"  # the key suffix of a choice measured while the library was unavailable
 _LIBRARY_ID = re.compile(r"\|kernels [0-9a-f]+")  # the kernel library's build in a record's key (see `_key`)
@@ -189,30 +189,30 @@ def _avx_vnni_ratio(hidden: int, inner: int) -> float:
     return sum(ratios.values()) / len(ratios)
 
 
-def amx_scores(heads: int, kv_heads: int, head_dim: int, record: Path) -> bool:
-    """Whether attention's scores run on AMX here (`stepops.use_amx_scores`; their last bits differ
-    from the vector kernel's, so the choice holds for a model's session): whether a one-token
-    step's and a 16-row block's attention over `SCORE_KEYS` keys take less time so, timed by turns
+def amx_attention(heads: int, kv_heads: int, head_dim: int, record: Path) -> bool:
+    """Whether attention runs on AMX here (`stepops.use_amx_attention`; its last bits differ from the
+    vector kernel's, so the choice holds for a model's session): whether a one-token
+    step's and a 16-row block's attention over `AMX_KEYS` keys take less time so, timed by turns
     on this model's heads, and a one-token step loses no more than `ONE_ROW_LOSS` (what decoding
     runs most). Measured once per machine, shape and kernel library, and remembered; a new
     measurement turns an earlier choice over only when the ratio is clearly on the other side."""
-    if head_dim % 32 or not stepops.can_amx_scores():
+    if head_dim % 32 or not stepops.can_amx_attention():
         return False
 
     def decide(earlier: bool | None) -> bool:
-        ratio = _amx_scores_ratio(heads, kv_heads, head_dim)  # the vector kernel's time over AMX's
+        ratio = _amx_attention_ratio(heads, kv_heads, head_dim)  # the vector kernel's time over AMX's
         return earlier if earlier is not None and abs(ratio - 1) < CLEAR_WIN - 1 else ratio > 1
 
-    return _remembered(record, _key(f"amx scores {heads}x{kv_heads}x{head_dim}"), bool, decide)
+    return _remembered(record, _key(f"amx attention {heads}x{kv_heads}x{head_dim}"), bool, decide)
 
 
-def _amx_scores_ratio(heads: int, kv_heads: int, head_dim: int) -> float:
+def _amx_attention_ratio(heads: int, kv_heads: int, head_dim: int) -> float:
     """The vector kernel's median time over AMX's for one row and for 16 rows, added up; or the
     one-row ratio where AMX loses more than `ONE_ROW_LOSS` there."""
     gen = torch.Generator().manual_seed(0)
-    keys, values = (torch.randn(kv_heads, SCORE_KEYS + 16, head_dim, generator=gen).bfloat16() for _ in range(2))
+    keys, values = (torch.randn(kv_heads, AMX_KEYS + 16, head_dim, generator=gen).bfloat16() for _ in range(2))
     lib = q4.library()
-    ops = {on: stepops.Ops(lib, amx_scores=on) for on in (False, True)}
+    ops = {on: stepops.Ops(lib, amx_attention=on) for on in (False, True)}
     ratios = []
     for rows in (1, 16):
         q = torch.randn(rows, heads, head_dim, generator=gen).bfloat16()
@@ -220,7 +220,7 @@ def _amx_scores_ratio(heads: int, kv_heads: int, head_dim: int) -> float:
         for _ in range(FLAVOR_REPEATS):
             for on in (False, True):
                 times[on].append(
-                    time_ms(lambda on=on, q=q: ops[on].attention(q, keys, values, SCORE_KEYS, None), repeats=3)
+                    time_ms(lambda on=on, q=q: ops[on].attention(q, keys, values, AMX_KEYS, None), repeats=3)
                 )
         middle = FLAVOR_REPEATS // 2
         ratios.append(sorted(times[False])[middle] / sorted(times[True])[middle])

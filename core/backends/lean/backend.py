@@ -44,7 +44,7 @@ class LeanBackend(OnModel):
         whole = " in one call" if self.forward.native is not None else ""
         flavors = q4.flavors(self._amx_rows()) if {kernel, head} & {"q4", "q8"} else ""
         ops = self.forward.layers[0].ops if self.forward.layers else None
-        scores = ", AMX scores" if ops is not None and ops.amx_scores(self.forward.layers[0].head_dim) else ""
+        scores = ", AMX attention" if ops is not None and ops.amx_attention(self.forward.layers[0].head_dim) else ""
         return f"lean, {kernel} layers{whole}, {head} lm_head{' by node' if self.row_head else ''}{flavors}{scores}"
 
     def _amx_rows(self) -> int:

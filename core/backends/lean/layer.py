@@ -77,7 +77,9 @@ class LeanLayer:
         cache.values[i, :, past:end] = qkv[:, self.q_size + self.kv_size :].view(t, kv, d).transpose(0, 1)
         if self.ops is not None and self.ops.attends(d) and stepops.Ops.takes(t, mask, causal, qk.dtype):
             seen = None if mask is None else mask[0, 0].contiguous()
-            a = self.ops.attention(qk[:, :heads], cache.keys[i], cache.values[i], end, seen, self.scale)
+            a = self.ops.attention(
+                qk[:, :heads], cache.keys[i], cache.values[i], end, seen, self.scale, self.window > 0
+            )
         else:
             a = (
                 F.scaled_dot_product_attention(

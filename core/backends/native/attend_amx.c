@@ -1,29 +1,33 @@
-/* Attention's scores on AMX, Intel's tile matrix unit (Sapphire Rapids and later).
+/* Attention on AMX, Intel's tile matrix unit (Sapphire Rapids and later).
  *
- * step.c's vector kernel spends most of a many-query pass (a prompt's prefill, a tree at a long
- * context) on the scores: per key and query, four fused adds and a reduction of 16 lanes. Here
- * one `tdpbf16ps` makes 16 keys' scores for 16 queries, with no reduction: tile A is 16 keys as
- * they lie in the cache (32 bf16 of each a tile, read with the cache's row stride), tile B the
- * queries' matching halves side by side (two bf16 of each query a 4-byte column), so the product
- * is the scores transposed (a row a key, a lane a query), gathered back to a row a query, scaled.
- * The softmax and weighted values are then step.c's (WEIGHTED), unchanged.
+ * step.c's vector kernel spends a many-query pass (a prompt's prefill, a tree at a long context)
+ * on fused adds: per key and query, four for the score (and a reduction of 16 lanes) and four for
+ * the weighted value. Here one `tdpbf16ps` makes 16 keys' scores for 16 queries: tile A is 16
+ * keys as they lie in the cache (32 bf16 of each a tile, read with the cache's row stride), tile
+ * B the queries' matching halves side by side (two bf16 of each query a 4-byte column), so the
+ * product is the scores transposed (a row a key, a lane a query), gathered back to a row a query
+ * and scaled. The softmax is step.c's (WEIGHTED). The weighted values take the weights, rounded
+ * to bf16, as tile A (a row a query, 32 keys) and the values as tile B (two keys side by side).
  *
  * A score's bits depend on its query's and its key's values only (the tile unit's sum over the
- * head is the same for every pair), so a tree's node still gets the bits of a one-token step at
- * its position. The scores differ from the vector kernel's in their last bits (another order of
- * sums, the scale applied after), so a model runs one or the other for its whole session (its
- * measured choice: core/measure/kernels.py).
+ * head is the same for every pair). A weighted value's sum over 32 keys is made in the tile
+ * unit's own order, so each key must sit in the slot a one-token step at the query's position has
+ * it in (values_amx), and a tree's node then gets the bits of that step. A layer with a sliding
+ * window takes the scores alone on AMX (its masks hide early keys: slots and positions part). The
+ * bits differ from the vector kernel's in their last places (another order of sums, the scale
+ * applied after the scores, the weights in bf16), so a model runs one or the other for its whole
+ * session (its measured choice: core/measure/kernels.py).
  */
 #include "common.h"
 
 #if !Q4_NEW_ISAS
-int q4_amx_scores(void) { return -1; }
+int q4_amx_attention(void) { return -1; }
 void q4_amx_begin(void) {}
 void q4_amx_end(void) {}
-void q4_part_amx(int64_t n, int64_t d, const uint16_t *const *q, float scale, const uint16_t *k, const uint16_t *v,
-                 int64_t from, int64_t to, int64_t open, const uint16_t *const *mask, float *scores, float *scratch,
-                 float *top, float *total, float *acc) {
-  (void)n, (void)d, (void)q, (void)scale, (void)k, (void)v, (void)from, (void)to, (void)open, (void)mask;
+void q4_part_amx(int amx, int64_t n, int64_t d, const uint16_t *const *q, float scale, const uint16_t *k,
+                 const uint16_t *v, int64_t from, int64_t to, int64_t open, const uint16_t *const *mask, float *scores,
+                 float *scratch, float *top, float *total, float *acc) {
+  (void)amx, (void)n, (void)d, (void)q, (void)scale, (void)k, (void)v, (void)from, (void)to, (void)open, (void)mask;
   (void)scores, (void)scratch, (void)top, (void)total, (void)acc;
 }
 #else
@@ -33,13 +37,15 @@ void q4_part_amx(int64_t n, int64_t d, const uint16_t *const *q, float scale, co
 #define AHEAD 32  /* keys ahead whose keys the scores prefetch */
 
 /* 0 where this build has the AMX-BF16 kernel (the CPU's and Linux's say: stepops.py). */
-int q4_amx_scores(void) { return 0; }
+int q4_amx_attention(void) { return 0; }
 
-/* A thread's tiles for q4_part_amx (before its first part; q4_amx_end after its last): three of
- * 16 rows × 64 bytes. */
+/* A thread's tiles for q4_part_amx (before its first part; q4_amx_end after its last): six of 16
+ * rows × 64 bytes (the scores: 0 sums, 1 keys, 2 queries; the values: 0-3 sums, 4 weights, 5
+ * values). */
 TAMXB void q4_amx_begin(void) {
   /* static: GCC took the stores to a local one for dead (the instruction's read unseen) */
-  static const tile_config cfg = {.palette = 1, .colsb = {64, 64, 64}, .rows = {16, 16, 16}};
+  static const tile_config cfg = {
+      .palette = 1, .colsb = {64, 64, 64, 64, 64, 64}, .rows = {16, 16, 16, 16, 16, 16}};
   _tile_loadconfig(&cfg);
 }
 
@@ -80,15 +86,150 @@ TAMXB static void scores_amx(int64_t n, int64_t d, const uint16_t *const *q, flo
   }
 }
 
+/* B tiles (`tiles` of 16 dims from dim c; 2 or 4) of 32 keys' values: row p holds keys 2p and 2p
+ * + 1 side by side, dim by dim (tile A's weights pair them so), in the order one unpack of a
+ * 128-bit lane gives: of 32 dims, tile 2h has dims 0-3, 8-11, 16-19, 24-27 and tile 2h + 1 the
+ * others (`in_order` puts the sums back). rows[j]: key j's values, or NULL (zeros). out: tiles ×
+ * 16 × 32 bf16. */
+TAMXB static void pairs_of(const uint16_t *const *rows, int64_t c, int tiles, uint16_t *out) {
+  for (int p = 0; p < 16; p++)
+    for (int h = 0; h < tiles; h += 2) { /* 32 dims: tiles h and h + 1 */
+      const uint16_t *a = rows[2 * p], *b = rows[2 * p + 1];
+      __m512i x = a ? _mm512_loadu_si512(a + c + 16 * h) : _mm512_setzero_si512();
+      __m512i y = b ? _mm512_loadu_si512(b + c + 16 * h) : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + (h * 16 + p) * 32, _mm512_unpacklo_epi16(x, y));
+      _mm512_storeu_si512(out + ((h + 1) * 16 + p) * 32, _mm512_unpackhi_epi16(x, y));
+    }
+}
+
+/* A query's sums (the tiles' columns in pairs_of's order) → dims in order. */
+static void in_order(const float *sums, int tiles, float *out) {
+  for (int t = 0; t < tiles; t++)
+    for (int n = 0; n < 16; n++) out[16 * (t & ~1) + 8 * (n / 4) + 4 * (t & 1) + n % 4] = sums[16 * t + n];
+}
+
+/* C tiles 0..tiles-1 += tile A (at a, row stride lda bytes) × the B tiles at `pairs`. */
+TAMXB static inline void product(int tiles, const void *a, int64_t lda, const uint16_t *pairs) {
+  _tile_loadd(4, a, lda);
+  _tile_loadd(5, pairs, 64);
+  _tile_dpbf16ps(0, 4, 5);
+  _tile_loadd(5, pairs + 512, 64);
+  _tile_dpbf16ps(1, 4, 5);
+  if (tiles == 4) {
+    _tile_loadd(5, pairs + 1024, 64);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(5, pairs + 1536, 64);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+}
+
+TAMXB static inline void sums_to(int tiles, float *c, int64_t ldc) {
+  _tile_stored(0, c, ldc);
+  _tile_stored(1, c + 16, ldc);
+  if (tiles == 4) {
+    _tile_stored(2, c + 32, ldc);
+    _tile_stored(3, c + 48, ldc);
+  }
+}
+
+TAMXB static inline void sums_from(int tiles, const float *c, int64_t ldc) {
+  _tile_loadd(0, c, ldc);
+  _tile_loadd(1, c + 16, ldc);
+  if (tiles == 4) {
+    _tile_loadd(2, c + 32, ldc);
+    _tile_loadd(3, c + 48, ldc);
+  }
+}
+
+/* Whether query m's keys from `open` on, among the part's [0, length), are a run from `open` (its
+ * weights then lie in the slots a one-token step has them in). */
+static int in_place(const uint16_t *mask, int64_t from, int64_t open, int64_t length) {
+  if (!mask) return 1;
+  int64_t j = open;
+  while (j < length && (mask[from + j] & 0x7fff) == 0) j++;
+  while (j < length && (mask[from + j] & 0x7fff) != 0) j++;
+  return j == length;
+}
+
+/* acc (n × d) = each query's weighted values (weights p: n rows of `padded`, rounded to bf16 here),
+ * 32 keys a product. The tile unit sums a product's 32 terms in an order of its own, so a key's
+ * sum must see it in the slot a one-token step at the query's position has it in: keys before
+ * `open` (seen by every query) are in place, and so are a query's keys from there on where they
+ * are a run from `open` (a prompt's causal rows, a one-token step); the products of those run
+ * for all queries together (a key not seen weighs an exact 0, a slot past `length` is 0). Any
+ * other query (a tree's node off its first path) has, from the last multiple of 32 before `open`,
+ * products of its own: its keys from `open` on gathered in order to the slots from `open`, where
+ * a layer without a sliding window has them (positions follow slots). */
+TAMXB static void values_amx(int64_t n, int64_t d, const uint16_t *v, int64_t length, int64_t open,
+                             const uint16_t *const *mask, int64_t from, const float *p, int64_t padded, float *acc,
+                             float *scratch) {
+  int64_t p32 = (length + 31) / 32 * 32, shared = open / 32 * 32;
+  uint16_t *pb = (uint16_t *)scratch, *pairs = pb + 16 * p32, *row = pairs + 4 * 512;
+  float *cs = (float *)(row + 16 * 32);
+  int own[AMX_QUERIES] = {0};
+  memset(pb, 0, sizeof(uint16_t) * (size_t)(n * p32)); /* rows from n on: any values (their sums are not read) */
+  memset(row, 0, sizeof(uint16_t) * 16 * 32);
+  for (int64_t m = 0; m < n; m++) {
+    own[m] = !in_place(mask[m], from, open, length);
+    for (int64_t j = 0; j < (own[m] ? shared : padded); j += 16) /* own: its products from `shared` on */
+      store_bf512(pb + m * p32 + j, round_bf512(_mm512_loadu_ps(p + m * padded + j)));
+  }
+  const uint16_t *rows[32];
+  for (int64_t c = 0; c < d; c += 64) {
+    int tiles = d - c >= 64 ? 4 : 2;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = 0; kb < p32; kb += 32) {
+      for (int64_t b = 0; c == 0 && kb + 64 <= length && b < 32 * d * 2; b += 64) /* the values ahead */
+        _mm_prefetch((const char *)(v + (kb + 32) * d) + b, _MM_HINT_T0);
+      for (int j = 0; j < 32; j++) rows[j] = kb + j < length ? v + (kb + j) * d : 0;
+      pairs_of(rows, c, tiles, pairs);
+      product(tiles, pb + kb, p32 * (int64_t)sizeof(uint16_t), pairs);
+    }
+    sums_to(tiles, cs, 256);
+    for (int64_t m = 0; m < n; m++) {
+      if (own[m]) { /* its sums so far (row m) go on in row 0 */
+        memcpy(cs + 16 * 64, cs + m * 64, sizeof(float) * 64);
+        sums_from(tiles, cs + 16 * 64, 256);
+        int64_t next = open; /* its next key from `open` on */
+        for (int64_t kb = shared; kb < p32 && next < length; kb += 32) {
+          for (int j = 0; j < 32; j++) {
+            int64_t key = kb + j;
+            if (key >= open) {
+              while (next < length && (mask[m][from + next] & 0x7fff) != 0) next++;
+              key = next < length ? next++ : -1;
+            }
+            rows[j] = key >= 0 ? v + key * d : 0;
+            row[j] = key >= 0 ? float_to_bf16(p[m * padded + key]) : 0; /* round_bf512's rounding */
+          }
+          pairs_of(rows, c, tiles, pairs);
+          product(tiles, row, 64, pairs);
+        }
+        sums_to(tiles, cs + 16 * 64, 256);
+        in_order(cs + 16 * 64, tiles, acc + m * d + c);
+      } else {
+        in_order(cs + m * 64, tiles, acc + m * d + c);
+      }
+    }
+  }
+}
+
 /* One part's attention for up to AMX_QUERIES queries (step.c's ATTEND: the part's top, sum of
- * weights and weighted values), its scores on AMX; q: the queries' bf16 rows; d a multiple of 32;
- * scores: n rows of the part's keys padded to 16; scratch: AMX_WORK(d) floats. */
-TAMXB void q4_part_amx(int64_t n, int64_t d, const uint16_t *const *q, float scale, const uint16_t *k, const uint16_t *v,
-                       int64_t from, int64_t to, int64_t open, const uint16_t *const *mask, float *scores,
-                       float *scratch, float *top, float *total, float *acc) {
+ * weights and weighted values), its scores on AMX and, where amx is 2, its weighted values; q: the
+ * queries' bf16 rows; d a multiple of 32; scores: n rows of the part's keys padded to 16;
+ * scratch: AMX_WORK(padded, d) floats. */
+TAMXB void q4_part_amx(int amx, int64_t n, int64_t d, const uint16_t *const *q, float scale, const uint16_t *k,
+                       const uint16_t *v, int64_t from, int64_t to, int64_t open, const uint16_t *const *mask,
+                       float *scores, float *scratch, float *top, float *total, float *acc) {
   int64_t length = to - from, padded = (length + KEYS16 - 1) / KEYS16 * KEYS16;
   uint32_t *qt = (uint32_t *)(scratch + 256);
   scores_amx(n, d, q, scale, k + from * d, length, padded, scratch, qt, (uint16_t *)(qt + 8 * d), scores);
-  weighted512(n, d, v, from, to, open, mask, scores, top, total, acc);
+  weighted512(n, d, v, from, to, open, mask, scores, top, total, amx == 2 ? 0 : acc);
+  if (amx == 2) {
+    int64_t seen = open - from < 0 ? 0 : open - from > length ? length : open - from;
+    values_amx(n, d, v + from * d, length, seen, mask, from, scores, padded, acc, scratch + 256 + 16 * d);
+  }
 }
 #endif

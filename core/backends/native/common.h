@@ -142,15 +142,23 @@ typedef struct {
  * attend_amx.c's attention of one part with its scores on AMX. */
 void weighted512(int64_t n, int64_t d, const uint16_t *v, int64_t from, int64_t to, int64_t open,
                  const uint16_t *const *mask, float *scores, float *top, float *total, float *acc);
-#define ISA_AMX_SCORES 4 /* added to the AVX-512 variant's number: attention's scores on AMX */
-#define AMX_QUERIES 16   /* the most queries one AMX part serves (a tile's columns) */
-#define AMX_WORK(d) (256 + 16 * (d)) /* its scratch besides the scores, in floats */
-int q4_amx_scores(void);
+#define ISA_VARIANT 3    /* the variant's number (1 AVX2, 2 AVX-512) in an `isa` argument, whose */
+#define ISA_AMX_SCORES 4 /* added flags ask for attention's scores on AMX, */
+#define ISA_AMX_VALUES 8 /* and its weighted values too (layers without a sliding window) */
+/* q4_attend's `amx` for heads of d in a layer with a sliding window of `window` (0: none): 0
+ * vectors, 1 scores on AMX, 2 scores and values on AMX. */
+static inline int amx_mode(int isa, int64_t d, int64_t window) {
+  if (!(isa & ISA_AMX_SCORES) || d % 32) return 0;
+  return isa & ISA_AMX_VALUES && !window ? 2 : 1;
+}
+#define AMX_QUERIES 16 /* the most queries one AMX part serves (a tile's columns) */
+#define AMX_WORK(padded, d) (3584 + 16 * (d) + 8 * ((padded) + 32)) /* its scratch besides the scores, floats */
+int q4_amx_attention(void);
 void q4_amx_begin(void);
 void q4_amx_end(void);
-void q4_part_amx(int64_t n, int64_t d, const uint16_t *const *q, float scale, const uint16_t *k, const uint16_t *v,
-                 int64_t from, int64_t to, int64_t open, const uint16_t *const *mask, float *scores, float *scratch,
-                 float *top, float *total, float *acc);
+void q4_part_amx(int amx, int64_t n, int64_t d, const uint16_t *const *q, float scale, const uint16_t *k,
+                 const uint16_t *v, int64_t from, int64_t to, int64_t open, const uint16_t *const *mask, float *scores,
+                 float *scratch, float *top, float *total, float *acc);
 
 /* step.c's vector e^x for x <= 0, in place (count a multiple of 16, or of 8 for the AVX2 one). */
 void exps512(int64_t count, float *x);

@@ -128,23 +128,23 @@ static int attend(const q4_model *model, const q4_block *b, int isa, int amx, in
   int64_t lo;
   const uint16_t *seen = window_mask(t, past, length, positions, mask, b->window, &lo, room);
   int64_t part = length - lo;
-  return q4_attend(isa, amx, threads, t, heads, kv, d, part, lo, qkv, width, kl + lo * d, vl + lo * d, capacity, seen, part,
-                   q4_first_hidden(seen, t, part, part), model->scale, a);
+  return q4_attend(isa, amx, threads, t, heads, kv, d, part, lo, qkv, width, kl + lo * d, vl + lo * d, capacity, seen,
+                   part, q4_first_hidden(seen, t, part, part), model->scale, a);
 }
 
 /* t rows of the residual stream x (t × hidden, bf16, in and out) through every layer. cos, sin:
  * (rotary tables × t × head_dim) bf16 (sin's first half negated); positions: the t rows'
  * positions (read by sliding-window layers); keys, values: layers × kv_heads × capacity ×
  * head_dim bf16, rows [past, past + t) written; mask: t × (past + t) bf16 (0: seen) or NULL
- * (every row sees every key); isa: the variant's number, plus ISA_AMX_SCORES for attention's
- * scores on AMX. Returns 0, or -1 when scratch memory could not be had. */
+ * (every row sees every key); isa: the variant's number, plus ISA_AMX_SCORES and ISA_AMX_VALUES
+ * for attention on AMX (common.h's amx_mode). Returns 0, or -1 when scratch memory could not be had. */
 int q4_decode(const q4_model *model, int isa, int threads, int64_t t, uint16_t *x, const uint16_t *cos,
               const uint16_t *sin, const int64_t *positions, int64_t past, const uint16_t *mask, uint16_t *keys,
               uint16_t *values, int64_t capacity) {
   int64_t hidden = model->hidden, d = model->head_dim, heads = model->heads, kv = model->kv_heads;
   int64_t q = heads * d, width = q + 2 * kv * d, inner = model->inner, length = past + t;
-  int amx = isa & ISA_AMX_SCORES && d % 32 == 0; /* attention's scores on AMX (attend_amx.c) */
-  isa &= ~ISA_AMX_SCORES;
+  int flags = isa; /* attention on AMX (attend_amx.c): amx_mode, layer by layer */
+  isa &= ISA_VARIANT;
   if (d > 512 || d % 16) return -2;
   size_t scratch = (size_t)(t * (hidden + width + q + hidden + 2 * inner + inner) + t * length);
   uint16_t *h = malloc(sizeof(uint16_t) * scratch);
@@ -164,7 +164,8 @@ int q4_decode(const q4_model *model, int isa, int threads, int64_t t, uint16_t *
     const uint16_t *c = cos + b->rope * t * d, *s = sin + b->rope * t * d;
     q4_rmsnorm(isa, t, hidden, x, hidden, b->norm1, wide, model->eps, h);
     code |= q4_run(b->qkv, isa, threads, t, h, hidden, qkv);
-    code |= attend(model, b, isa, amx, threads, t, qkv, c, s, positions, past, mask, open, kl, vl, capacity, room, a);
+    code |= attend(model, b, isa, amx_mode(flags, d, b->window), threads, t, qkv, c, s, positions, past, mask, open,
+                   kl, vl, capacity, room, a);
     code |= q4_run(b->o, isa, threads, t, a, q, o);
     if (b->post_attn) q4_rmsnorm(isa, t, hidden, o, hidden, b->post_attn, wide, model->eps, o);
     (isa == 2 ? e512_add : e256_add)(t * hidden, x, o);

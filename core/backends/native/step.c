@@ -178,7 +178,7 @@ EXPS(exps256, T256, __m256, 8, _mm256, exp256)
 #define PART_WORK(n, length) ((n) * PADDED(length))
 /* A part's softmax and weighted values once its scores (n rows of `padded`, the part's keys [from,
  * to)) are made: each query's top, weights (an exact 0 for a key it does not see) and their sum,
- * then its weighted values. Also attend_amx.c's, after its scores. */
+ * then (acc not NULL) its weighted values. Also attend_amx.c's, after its scores. */
 #define WEIGHTED(NAME, VALUES, EXPS, TARGET)                                                                         \
   TARGET void NAME(int64_t n, int64_t d, const uint16_t *v, int64_t from, int64_t to, int64_t open,                  \
                    const uint16_t *const *mask, float *scores, float *top, float *total, float *acc) {              \
@@ -202,7 +202,18 @@ EXPS(exps256, T256, __m256, 8, _mm256, exp256)
           if ((mask[m][j] & 0x7fff) != 0) sm[j - from] = 0.0f;                                                       \
       for (int64_t j = length; j < padded; j++) sm[j] = 0.0f;                                                        \
     }                                                                                                                \
-    VALUES(n, d, length, scores, padded, v + from * d, acc, total);                                                  \
+    if (acc) {                                                                                                       \
+      VALUES(n, d, length, scores, padded, v + from * d, acc, total);                                                \
+      return;                                                                                                        \
+    }                                                                                                                \
+    for (int64_t m = 0; m < n; m += 4) { /* the weights' sums alone, as VALUES makes them: 4 chains side by side */ \
+      const float *s0 = scores + m * padded, *s1 = m + 1 < n ? s0 + padded : s0;                                     \
+      const float *s2 = m + 2 < n ? s0 + 2 * padded : s0, *s3 = m + 3 < n ? s0 + 3 * padded : s0;                    \
+      float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;                                                              \
+      for (int64_t j = 0; j < length; j++) t0 += s0[j], t1 += s1[j], t2 += s2[j], t3 += s3[j];                       \
+      float t[4] = {t0, t1, t2, t3};                                                                                 \
+      for (int64_t i = 0; i < 4 && m + i < n; i++) total[m + i] = t[i];                                              \
+    }                                                                                                                \
   }
 WEIGHTED(weighted512, values512, exps512, T512)
 WEIGHTED(weighted256, values256, exps256, T256)
@@ -273,9 +284,10 @@ static void join(const block *k, int64_t size, int64_t d, int64_t parts, int64_t
  * (kv_heads × capacity × d, the first `length` used; key 0 at position `first`); query head h
  * reads kv head h / (heads / kv_heads). mask: t rows of ldm bf16 (the first `length` used), 0
  * where a query sees a key (NULL: every key is seen); keys before `open` are seen by every query
- * (q4_attention finds it); amx: the scores on AMX (attend_amx.c; d a multiple of 32, the AVX-512
- * variant; q4_attention and q4_decode take it where the variant's number has ISA_AMX_SCORES and d
- * allows). Returns 0, or -1 when scratch memory could not be had. */
+ * (q4_attention finds it); amx: 1 the scores on AMX, 2 the weighted values too (attend_amx.c; d a
+ * multiple of 32, the AVX-512 variant; q4_attention and q4_decode take it from ISA_AMX_SCORES and
+ * ISA_AMX_VALUES in the variant's number, where d allows and, for the values, the layer has no
+ * sliding window). Returns 0, or -1 when scratch memory could not be had. */
 int q4_attend(int isa, int amx, int threads, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, int64_t length,
               int64_t first, const uint16_t *q, int64_t ldq, const uint16_t *k, const uint16_t *v, int64_t capacity,
               const uint16_t *mask, int64_t ldm, int64_t open, float scale, uint16_t *out) {
@@ -286,7 +298,7 @@ int q4_attend(int isa, int amx, int threads, int64_t t, int64_t heads, int64_t k
    * keys in cache). */
   int64_t most = amx ? AMX_QUERIES : QUERIES, group = heads / kv_heads, queries = t * group;
   int64_t per = (queries + most - 1) / most;
-  while (parts == 1 && (kv_heads * per) % threads && per < queries) per++;
+  while (!amx && parts == 1 && (kv_heads * per) % threads && per < queries) per++; /* AMX: a tile's work whatever n */
   int64_t size = (queries + per - 1) / per, blocks = (queries + size - 1) / size;
   int64_t stride = RESULT(size, d), span = parts == 1 ? length : SPLIT; /* a part's results; its most keys */
   float *results = malloc(sizeof(float) * (size_t)(kv_heads * blocks * parts * stride));
@@ -294,13 +306,14 @@ int q4_attend(int isa, int amx, int threads, int64_t t, int64_t heads, int64_t k
   int failed = 0;
 #pragma omp parallel num_threads(threads) if (t * heads * length >= 1024)
   {
-    float *work = malloc(sizeof(float) * (size_t)(PART_WORK(size, span) + (amx ? AMX_WORK(d) : size * d)));
+    size_t floats = (size_t)(PART_WORK(size, span) + (amx ? AMX_WORK(PADDED(span), d) : size * d));
+    float *work = malloc(sizeof(float) * floats);
     if (!work) {
 #pragma omp atomic write
       failed = 1;
     }
     if (amx) q4_amx_begin();
-#pragma omp for schedule(static) collapse(3)
+#pragma omp for schedule(dynamic) collapse(3)
     for (int64_t g = 0; g < kv_heads; g++)
       for (int64_t b = 0; b < blocks; b++)
         for (int64_t p = 0; p < parts; p++) {
@@ -312,7 +325,7 @@ int q4_attend(int isa, int amx, int threads, int64_t t, int64_t heads, int64_t k
           int64_t to = p == parts - 1 ? length : (first / SPLIT + p + 1) * SPLIT - first;
           const uint16_t *kg = k + g * capacity * d, *vg = v + g * capacity * d;
           if (amx) {
-            q4_part_amx(kb.n, d, kb.q, scale, kg, vg, from, to, open, kb.mask, work, qf, res, res + size,
+            q4_part_amx(amx, kb.n, d, kb.q, scale, kg, vg, from, to, open, kb.mask, work, qf, res, res + size,
                         res + 2 * size);
             continue;
           }
@@ -350,8 +363,8 @@ int q4_attention(int isa, int threads, int64_t t, int64_t heads, int64_t kv_head
                  const uint16_t *q, int64_t ldq, const uint16_t *k, const uint16_t *v, int64_t capacity,
                  const uint16_t *mask, float scale, uint16_t *out) {
   if (d > 512 || d % HEAD_STEP) return -2;
-  return q4_attend(isa & ~ISA_AMX_SCORES, isa & ISA_AMX_SCORES && d % 32 == 0, threads, t, heads, kv_heads, d, length, 0, q, ldq, k, v, capacity, mask, length,
-                   q4_first_hidden(mask, t, length, length), scale, out);
+  return q4_attend(isa & ISA_VARIANT, amx_mode(isa, d, 0), threads, t, heads, kv_heads, d, length, 0, q, ldq, k, v,
+                   capacity, mask, length, q4_first_hidden(mask, t, length, length), scale, out);
 }
 
 /* y = x / √(mean(x²) + ε), rounded to bf16, times w (Llama's RMSNorm), row by row. */
