@@ -51,6 +51,31 @@ TAMXB void q4_amx_begin(void) {
 
 TAMXB void q4_amx_end(void) { _tile_release(); }
 
+/* r[i][j] ← r[j][i]: a 16 × 16 block of floats transposed in registers. */
+TAMXB static inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; i++) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; i++) {
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; i++) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
+    t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xDD);
+    t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
+    t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xDD);
+  }
+  for (int i = 0; i < 8; i++) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xDD);
+  }
+}
+
 /* s (n rows of `padded`): the scores of queries q[0, n) (bf16 rows) against the keys k[0, length)
  * (d apart), times `scale`; rows' entries from `length` on are 0 (WEIGHTED hides them). Scratch:
  * tile (256 floats), qt (8·d: the queries as tile B, d / 32 tiles), tail (16·d bf16: the last
@@ -79,9 +104,16 @@ TAMXB static void scores_amx(int64_t n, int64_t d, const uint16_t *const *q, flo
       _tile_dpbf16ps(0, 1, 2);
     }
     _tile_stored(0, tile, 64); /* a row a key, a lane a query */
-    for (int64_t m = 0; m < n; m++) {
-      __m512 x = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32((int)m)), tile, 4);
-      _mm512_storeu_ps(s + m * padded + j0, _mm512_mul_ps(x, sc));
+    if (n > 4) { /* a row a query: the tile transposed, or for a few queries their columns gathered */
+      __m512 r[16];
+      for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(tile + 16 * i);
+      transpose16(r);
+      for (int64_t m = 0; m < n; m++) _mm512_storeu_ps(s + m * padded + j0, _mm512_mul_ps(r[m], sc));
+    } else {
+      for (int64_t m = 0; m < n; m++) {
+        __m512 x = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32((int)m)), tile, 4);
+        _mm512_storeu_ps(s + m * padded + j0, _mm512_mul_ps(x, sc));
+      }
     }
   }
 }
