@@ -210,6 +210,7 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.q4_rmsnorm.argtypes = [ctypes.c_int, i64, i64, ptr, i64, ptr, ctypes.c_int, ctypes.c_float, ptr]
     lib.q4_rmsnorm.restype = None
     lib.q4_decode.argtypes = [ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64]
+    lib.q4_decode.argtypes += [ptr, i64, ptr]
     lib.q4_decode.restype = ctypes.c_int
     lib.q4_amx.argtypes = lib.q4_amx_attention.argtypes = []
     lib.q4_amx.restype = lib.q4_amx_attention.restype = ctypes.c_int

@@ -64,7 +64,7 @@ class LeanDraft:
         past, mask, causal = self.room(ids.numel(), mask, cache)
         x = self.fc(torch.cat([features.to(self.dtype), self.embed(ids).to(self.dtype)], dim=-1))
         rope = self.rope(positions)
-        if not fast.run_native(self.native, x, rope, past, mask, causal, cache):
+        if fast.run_native(self.native, x, rope, past, mask, causal, cache) is None:
             x = self.layer(x, rope, cache, past, mask, causal)
         return self.norm(x)
 

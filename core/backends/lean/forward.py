@@ -9,8 +9,6 @@ are the same bits whether a prefill or a step computed them.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 from torch import Tensor, nn
 
@@ -18,7 +16,7 @@ from core.backends import stepops
 from core.backends.base import Taps
 from core.backends.lean.kv import StaticKV
 from core.backends.lean.layer import LeanLayer, causal_mask, norm, window_mask
-from core.backends.lean.native import Decoder, native_decoder, run_native
+from core.backends.lean.native import native_decoder, run_native
 from core.backends.lean.rope import Rope, takes_kinds
 
 
@@ -41,7 +39,6 @@ class LeanForward:
         self.final_norm = norm(base.norm, stepops.ops(self.dtype, model.device))
         self.native = native_decoder(base.layers, config, self.layers, self.rope_of)  # every layer in one call, or None
         self._modules, self._config = base.layers, config
-        self._segments: dict[Taps, list[tuple[int, int, Decoder]]] = {}
 
     def new_cache(self) -> StaticKV:
         return StaticKV(len(self.layers), self.kv_heads, self.head_dim, self.dtype)
@@ -62,20 +59,12 @@ class LeanForward:
             mask, causal = causal_mask(t, past, self.dtype), False
         ropes = [rope(positions) for rope in self.ropes]
         x = self.embed(ids).contiguous()
-        tapped: list[Tensor] = []
-        if not taps:
-            if not run_native(self.native, x, ropes, past, mask, causal, cache, positions=positions):
-                x = self._layers(x, ropes, positions, cache, past, mask, causal, ())[0]
-        elif self.native is not None and stepops.Ops.takes(t, mask, causal, x.dtype):
-            tapped += [x.clone()] if 0 in taps else []
-            for start, stop, decoder in self._segments_for(taps):
-                run_native(decoder, x, ropes, past, mask, causal, cache, start, positions)
-                if stop in taps:
-                    tapped.append(x.clone())
-        else:
+        streams = run_native(self.native, x, ropes, past, mask, causal, cache, positions=positions, taps=taps)
+        if streams is None:  # the layers one by one
             x, tapped = self._layers(x, ropes, positions, cache, past, mask, causal, taps)
+            streams = torch.cat(tapped, dim=-1) if taps else None
         cache.length = past + t
-        return self.final_norm(x), torch.cat(tapped, dim=-1) if taps else None
+        return self.final_norm(x), streams if taps else None
 
     def prefill(self, cache: StaticKV, ids: Tensor, taps: Taps = ()) -> tuple[Tensor, Tensor | None]:
         """The prompt (n,) after the cache's prefix → (n, H) final hidden states (and the tapped
@@ -107,13 +96,3 @@ class LeanForward:
             x = layer(x, ropes[r], cache, past, *masks[layer.window])
             tapped += [x.clone()] if i in taps else []
         return x, tapped
-
-    def _segments_for(self, taps: Taps) -> list[tuple[int, int, Decoder]]:
-        """The library's decoders over the layers between consecutive taps (built once per taps)."""
-        if taps not in self._segments:
-            bounds = sorted({0, *taps, len(self.layers)})
-            self._segments[taps] = [
-                (a, b, native_decoder(self._modules[a:b], self._config, self.layers[a:b], self.rope_of[a:b]))
-                for a, b in itertools.pairwise(bounds)
-            ]
-        return self._segments[taps]

@@ -17,22 +17,21 @@ from core.backends.lean.packed import LIBRARY
 
 
 def run_native(
-    decoder: Decoder | None, x: Tensor, rope, past: int, mask, causal: bool, cache: StaticKV, first: int = 0,
-    positions: Tensor | None = None,
-) -> bool:  # fmt: skip
+    decoder: Decoder | None, x: Tensor, rope, past: int, mask, causal: bool, cache: StaticKV,
+    positions: Tensor | None = None, taps: tuple[int, ...] = (),
+) -> Tensor | None:  # fmt: skip
     """Run the decoder layers in the library (x updated in place) where it takes this step:
-    up to `stepops.Ops.MAX_ROWS` rows, not a causal block (a prompt's prefill). False: it did not.
-    `rope`: (cos, sin), or a list of them (one per rotary table the layers read); `first`: the
-    cache layer the decoder's first layer writes (a decoder over some layers); `positions`: the
-    rows' positions (needed by sliding-window layers)."""
+    up to `stepops.Ops.MAX_ROWS` rows, not a causal block (a prompt's prefill). None: it did not;
+    else the streams after `taps` layers side by side (t, len(taps) · hidden; empty without taps).
+    `rope`: (cos, sin), or a list of them (one per rotary table the layers read); `positions`:
+    the rows' positions (needed by sliding-window layers)."""
     t = x.shape[0]
     if decoder is None or not stepops.Ops.takes(t, mask, causal, x.dtype):
-        return False
+        return None
     tables = [rope] if isinstance(rope, tuple) else rope
     cos, sin = (torch.stack([r[i].reshape(t, -1) for r in tables]).contiguous() for i in (0, 1))
     seen = None if mask is None else mask[0, 0].contiguous()
-    decoder(x, cos, sin, past, seen, cache.keys[first:], cache.values[first:], positions)
-    return True
+    return decoder(x, cos, sin, past, seen, cache.keys, cache.values, positions, taps)
 
 
 def native_decoder(
@@ -175,17 +174,22 @@ class Decoder:
         self.address = ctypes.addressof(self.model)
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, past: int, mask: Tensor | None, keys: Tensor,
-                 values: Tensor, positions: Tensor | None = None) -> None:  # fmt: skip
+                 values: Tensor, positions: Tensor | None = None, taps: tuple[int, ...] = ()) -> Tensor:  # fmt: skip
         """x (t, hidden) bf16, contiguous: the residual stream, updated in place; cos, sin (t, head
         dim), or (rotary tables, t, head dim); keys and values (layers, kv heads, capacity, head
         dim), rows [past, past + t) written; mask (t, past + t) bf16, 0 where a key is seen, or
-        None; positions (t,): the rows' positions (needed where a layer has a sliding window)."""
+        None; positions (t,): the rows' positions (needed where a layer has a sliding window).
+        Returns the streams after `taps` layers (counts, 0 to all), side by side: (t, len(taps) · hidden)."""
         if self.windowed and positions is None:
             raise ValueError("a decoder with sliding-window layers needs the rows' positions")
         at = None if positions is None else positions.to(torch.int64).contiguous()
+        t, hidden = x.shape
+        counts = torch.tensor(taps, dtype=torch.int64)
+        streams = torch.empty(t, len(taps) * hidden, dtype=x.dtype)
         code = self.lib.q4_decode(
-            self.address, self.variant, torch.get_num_threads(), x.shape[0], x.data_ptr(), cos.data_ptr(),
+            self.address, self.variant, torch.get_num_threads(), t, x.data_ptr(), cos.data_ptr(),
             sin.data_ptr(), None if at is None else at.data_ptr(), past, None if mask is None else mask.data_ptr(),
-            keys.data_ptr(), values.data_ptr(), keys.shape[2],
+            keys.data_ptr(), values.data_ptr(), keys.shape[2], counts.data_ptr(), len(taps), streams.data_ptr(),
         )  # fmt: skip
         stepops.raise_for(code, self.model.head_dim)
+        return streams

@@ -132,15 +132,27 @@ static int attend(const q4_model *model, const q4_block *b, int isa, int amx, in
                    part, q4_first_hidden(seen, t, part, part), model->scale, a);
 }
 
+/* The stream x (t rows) after `done` layers into its column of streams (t × count × hidden) where
+ * taps (count layer counts) asks for it. */
+static void tap(int64_t done, int64_t t, int64_t hidden, const uint16_t *x, const int64_t *taps, int64_t count,
+                uint16_t *streams) {
+  for (int64_t i = 0; i < count; i++)
+    if (taps[i] == done)
+      for (int64_t r = 0; r < t; r++)
+        memcpy(streams + (r * count + i) * hidden, x + r * hidden, sizeof(uint16_t) * (size_t)hidden);
+}
+
 /* t rows of the residual stream x (t × hidden, bf16, in and out) through every layer. cos, sin:
  * (rotary tables × t × head_dim) bf16 (sin's first half negated); positions: the t rows'
  * positions (read by sliding-window layers); keys, values: layers × kv_heads × capacity ×
  * head_dim bf16, rows [past, past + t) written; mask: t × (past + t) bf16 (0: seen) or NULL
  * (every row sees every key); isa: the variant's number, plus ISA_AMX_SCORES and ISA_AMX_VALUES
- * for attention on AMX (common.h's amx_mode). Returns 0, or -1 when scratch memory could not be had. */
+ * for attention on AMX (common.h's amx_mode); taps: `count` layer counts after which the stream
+ * goes to streams (t × count × hidden: the row's streams side by side). Returns 0, or -1 when
+ * scratch memory could not be had. */
 int q4_decode(const q4_model *model, int isa, int threads, int64_t t, uint16_t *x, const uint16_t *cos,
               const uint16_t *sin, const int64_t *positions, int64_t past, const uint16_t *mask, uint16_t *keys,
-              uint16_t *values, int64_t capacity) {
+              uint16_t *values, int64_t capacity, const int64_t *taps, int64_t count, uint16_t *streams) {
   int64_t hidden = model->hidden, d = model->head_dim, heads = model->heads, kv = model->kv_heads;
   int64_t q = heads * d, width = q + 2 * kv * d, inner = model->inner, length = past + t;
   int flags = isa; /* attention on AMX (attend_amx.c): amx_mode, layer by layer */
@@ -158,6 +170,7 @@ int q4_decode(const q4_model *model, int isa, int threads, int64_t t, uint16_t *
   uint16_t *room = m + t * inner;
   int code = 0, wide = (int)model->gemma;
   int64_t open = q4_first_hidden(mask, t, length, length);
+  tap(0, t, hidden, x, taps, count, streams);
   for (int64_t layer = 0; layer < model->layers && !code; layer++) {
     const q4_block *b = model->blocks + layer;
     uint16_t *kl = keys + layer * kv * capacity * d, *vl = values + layer * kv * capacity * d;
@@ -178,6 +191,7 @@ int q4_decode(const q4_model *model, int isa, int threads, int64_t t, uint16_t *
     code |= q4_run(b->down, isa, threads, t, m, inner, o);
     if (b->post_mlp) q4_rmsnorm(isa, t, hidden, o, hidden, b->post_mlp, wide, model->eps, o);
     (isa == 2 ? e512_add : e256_add)(t * hidden, x, o);
+    tap(layer + 1, t, hidden, x, taps, count, streams);
   }
   free(h);
   free(z);
