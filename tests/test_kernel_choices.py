@@ -220,20 +220,31 @@ def test_the_amx_row_count_is_measured_on_this_machine(tmp_path):
         q4.use_amx(0)
 
 
-def test_the_avx_vnni_choice_is_remembered_and_turns_only_on_a_clear_ratio(tmp_path, monkeypatch):
+# A flavor choice: (module, its availability check, the record's key, the measurement, the choice)
+FLAVORS = {
+    "avx-vnni": (q4, "avx_vnni", "avx-vnni 64x128", "_avx_vnni_ratio", lambda r: kernels.avx_vnni(64, 128, r)),
+    "amx attention": (
+        stepops, "can_amx_attention", "amx attention 9x3x64", "_amx_attention_ratio",
+        lambda r: kernels.amx_attention(9, 3, 64, r),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("flavor", sorted(FLAVORS))
+def test_a_flavor_choice_is_remembered_and_turns_only_on_a_clear_ratio(flavor, tmp_path, monkeypatch):
     _library()
-    monkeypatch.setattr(q4, "avx_vnni", lambda: True)
-    key = kernels._key("avx-vnni 64x128")
-    old_key = kernels._LIBRARY_ID.sub("|kernels 000000000000", key)
+    module, available, name, measure, choose = FLAVORS[flavor]
+    monkeypatch.setattr(module, available, lambda: True)
+    old_key = kernels._LIBRARY_ID.sub("|kernels 000000000000", kernels._key(name))
     for ratio, earlier, want in ((1.05, False, False), (0.95, True, True), (1.4, False, True), (0.8, True, False)):
         record = _record(tmp_path, {old_key: earlier})
-        monkeypatch.setattr(kernels, "_avx_vnni_ratio", lambda h, i, ratio=ratio: ratio)
-        assert kernels.avx_vnni(64, 128, record) is want
-        monkeypatch.setattr(kernels, "_avx_vnni_ratio", lambda h, i: pytest.fail("measured again"))
+        monkeypatch.setattr(kernels, measure, lambda *shape, ratio=ratio: ratio)
+        assert choose(record) is want
+        monkeypatch.setattr(kernels, measure, lambda *shape: pytest.fail("measured again"))
         for _launch in range(4):
-            assert kernels.avx_vnni(64, 128, record) is want  # remembered: nothing is timed
-    monkeypatch.setattr(q4, "avx_vnni", lambda: False)
-    assert kernels.avx_vnni(64, 128, tmp_path / "none.json") is False
+            assert choose(record) is want  # remembered: nothing is timed
+    monkeypatch.setattr(module, available, lambda: False)
+    assert choose(tmp_path / "none.json") is False
 
 
 def test_avx_vnni_is_not_taken_where_plain_avx2_is_emulated(monkeypatch):
@@ -242,27 +253,11 @@ def test_avx_vnni_is_not_taken_where_plain_avx2_is_emulated(monkeypatch):
     assert not q4.avx_vnni()
 
 
-def test_the_amx_attention_choice_is_remembered_and_turns_only_on_a_clear_ratio(tmp_path, monkeypatch):
-    _library()
-    monkeypatch.setattr(stepops, "can_amx_attention", lambda: True)
-    key = kernels._key("amx attention 9x3x64")
-    old_key = kernels._LIBRARY_ID.sub("|kernels 000000000000", key)
-    for ratio, earlier, want in ((1.05, False, False), (0.95, True, True), (1.4, False, True), (0.8, True, False)):
-        record = _record(tmp_path, {old_key: earlier})
-        monkeypatch.setattr(kernels, "_amx_attention_ratio", lambda h, k, d, ratio=ratio: ratio)
-        assert kernels.amx_attention(9, 3, 64, record) is want
-        monkeypatch.setattr(kernels, "_amx_attention_ratio", lambda h, k, d: pytest.fail("measured again"))
-        for _launch in range(4):
-            assert kernels.amx_attention(9, 3, 64, record) is want  # remembered: nothing is timed
-    assert kernels.amx_attention(8, 2, 48, tmp_path / "odd.json") is False  # heads of 48: not on tiles
-    monkeypatch.setattr(stepops, "can_amx_attention", lambda: False)
-    assert kernels.amx_attention(9, 3, 64, tmp_path / "none.json") is False
-
-
 def test_the_amx_attention_choice_is_measured_on_this_machine(tmp_path):
     """Where the CPU has AMX's bf16 products, both kernels are timed and the choice follows the
     ratio (a one-token step's loss bounded); a model loaded after it names it in its forward."""
     _library()
+    assert kernels.amx_attention(8, 2, 48, tmp_path / "odd.json") is False  # heads of 48: not on tiles
     if not stepops.can_amx_attention():
         pytest.skip("this CPU (or its Linux) does not give AMX's bf16 products")
     ratio = kernels._amx_attention_ratio(9, 3, 64)
