@@ -60,9 +60,9 @@ def test_tapped_streams_are_transformers_hidden_states(arch):
             torch.testing.assert_close(fwd.taps[node], expected, atol=1e-5, rtol=1e-5)
 
 
-def test_native_decoding_in_segments_gives_the_same_bits():
-    """The library's decoder run between taps gives the final states of one whole call, bit for
-    bit, and the tapped stream of the per-layer path."""
+def test_native_decoding_with_taps_gives_the_same_bits():
+    """The library's decoder asked for taps gives the final states of a call without them, bit
+    for bit, and the tapped stream of the per-layer path."""
     require_kernel("q4", torch.bfloat16)
     backend = tiny_backend("llama+q4")
     forward = backend.forward
@@ -77,10 +77,10 @@ def test_native_decoding_in_segments_gives_the_same_bits():
             prefill(backend, cache, torch.tensor(PROMPT))
             results.append(verify(backend, cache, Draft(tokens, tree), taps))
     forward.native = native
-    whole, segments, lean = results
-    assert whole.taps is None and segments.taps.shape == (tree.size, 64)
-    assert segments.hidden.equal(whole.hidden)
-    error = (segments.taps.float() - lean.taps.float()).norm() / lean.taps.float().norm()
+    whole, tapped, lean = results
+    assert whole.taps is None and tapped.taps.shape == (tree.size, 64)
+    assert tapped.hidden.equal(whole.hidden)
+    error = (tapped.taps.float() - lean.taps.float()).norm() / lean.taps.float().norm()
     assert error < 0.1  # the same stream but for rounding (the final states differ as much; layers by 4x)
 
 

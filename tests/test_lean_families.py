@@ -16,6 +16,7 @@ from transformers import (
 )
 
 from core.backends import lean as fast
+from core.backends import stepops
 from core.backends.lean.layer import window_mask
 from core.decode.generate import collect, stream
 from core.decode.settings import DecodeSettings
@@ -139,6 +140,29 @@ def test_greedy_tree_decoding_equals_plain_in_4_bits(family, kernel):
     backend = lean(family, kernel)
     assert (backend.forward.native is not None) == (kernel == "q4")
     _tree_equals_plain(backend)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tree_decoding_equals_plain_with_attention_on_amx(family, monkeypatch):
+    """The library's decoder with attention on AMX (its scores, and its weighted values in layers
+    without a sliding window: Gemma 3 has both kinds, Mistral only windowed ones): a tree's nodes
+    get the bits of one-token steps, and a prompt's blocks those of its steps."""
+    require_kernel("q4", torch.bfloat16)
+    if not stepops.can_amx_attention():
+        pytest.skip("this CPU (or its Linux) does not give AMX's bf16 products")
+    monkeypatch.setitem(stepops._chosen, "amx attention", True)
+    backend = lean(family, "q4")
+    assert backend.forward.native is not None and "AMX attention" in backend.describe()
+    _tree_equals_plain(backend)
+    with torch.inference_mode():  # the prompt read in one block, or a token at a time: the same cache
+        caches = []
+        for block in (len(PROMPT), 1):
+            cache = backend.new_cache()
+            for start in range(0, len(PROMPT), block):
+                prefill(backend, cache, torch.tensor(PROMPT[start : start + block]))
+            caches.append(cache)
+    n = len(PROMPT)
+    assert all(getattr(caches[0], t)[:, :, :n].equal(getattr(caches[1], t)[:, :, :n]) for t in ("keys", "values"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
