@@ -194,10 +194,11 @@ def cpu_choice(config: object | None, dtype: str | None, int4: bool) -> kernels.
     hidden = getattr(config, "hidden_size", 1024)
     inner = getattr(config, "intermediate_size", 4 * hidden)
     record = cache_dir() / "cpu-kernels.json"
-    heads = getattr(config, "num_attention_heads", 0) or 1
-    dim = getattr(config, "head_dim", None) or hidden // heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    stepops.use_amx_attention(kernels.amx_attention(heads, kv, dim, record))
+    heads = getattr(config, "num_attention_heads", None)
+    if heads:  # attention on AMX or in vectors, for the model's heads
+        dim = getattr(config, "head_dim", None) or hidden // heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        stepops.use_amx_attention(kernels.amx_attention(heads, kv, dim, record))
     if int4:  # the 4-bit kernels' flavors first: the kernels are then timed as they will run
         q4.use_amx(kernels.amx_rows(hidden, inner, record))
         q4.use_avx_vnni(kernels.avx_vnni(hidden, inner, record))

@@ -258,6 +258,7 @@ def test_the_amx_attention_choice_is_measured_on_this_machine(tmp_path):
     ratio (a one-token step's loss bounded); a model loaded after it names it in its forward."""
     _library()
     assert kernels.amx_attention(8, 2, 48, tmp_path / "odd.json") is False  # heads of 48: not on tiles
+    assert kernels.amx_attention(1, 1, 1024, tmp_path / "odd.json") is False  # beyond the attention kernel
     if not stepops.can_amx_attention():
         pytest.skip("this CPU (or its Linux) does not give AMX's bf16 products")
     ratio = kernels._amx_attention_ratio(9, 3, 64)

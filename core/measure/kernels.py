@@ -196,7 +196,7 @@ def amx_attention(heads: int, kv_heads: int, head_dim: int, record: Path) -> boo
     on this model's heads, and a one-token step loses no more than `ONE_ROW_LOSS` (what decoding
     runs most). Measured once per machine, shape and kernel library, and remembered; a new
     measurement turns an earlier choice over only when the ratio is clearly on the other side."""
-    if head_dim % 32 or not stepops.can_amx_attention():
+    if head_dim % 32 or not stepops.Ops.attends(head_dim) or not stepops.can_amx_attention():
         return False
 
     def decide(earlier: bool | None) -> bool:
