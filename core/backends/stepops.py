@@ -4,15 +4,16 @@ row, so a tree's rows get exactly the bits one-token steps would (see q4gemm.c).
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from core.backends.q4 import ISAS, amx, isa, library
+from core.cpuinfo import cpu_flags
 
 HEAD_STEP, MAX_HEAD = 16, 512  # the head sizes the attention kernel takes (step.c)
-AMX_SCORES, AMX_VALUES = 4, 8  # added to the variant's number: attention on AMX (attend_amx.c, heads of 32k)
+AMX_SCORES, AMX_VALUES = 4, 8  # added to the variant's number: attention on AMX (attend_amx.c)
+AMX_HEAD_STEP = 32  # the head sizes AMX's attention takes are multiples of this (common.h's amx_mode)
 _chosen = {"amx attention": False}
 
 
@@ -28,8 +29,8 @@ class Ops:
         self.lib, self.variant = lib, ISAS[isa()] | (AMX_SCORES | AMX_VALUES if on else 0)
 
     def amx_attention(self, head_dim: int) -> bool:
-        """Whether attention over heads of `head_dim` runs on AMX (heads of 32k)."""
-        return bool(self.variant & AMX_SCORES) and head_dim % 32 == 0
+        """Whether attention over heads of `head_dim` runs on AMX."""
+        return bool(self.variant & AMX_SCORES) and amx_heads(head_dim)
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         """(rows, n) bf16 with contiguous rows → the same shape, normalized. A bf16 `weight`:
@@ -76,14 +77,15 @@ class Ops:
         return out
 
 
+def amx_heads(head_dim: int) -> bool:
+    """Whether AMX's attention takes heads of `head_dim` (elsewhere the vector kernel runs)."""
+    return head_dim % AMX_HEAD_STEP == 0 and Ops.attends(head_dim)
+
+
 def can_amx_attention() -> bool:
     """Whether attention may run on AMX here (attend_amx.c): the many-row passes may (`q4.amx`)
     and the CPU has AMX's bf16 products."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-    return "amx_bf16" in flags and amx() and library().q4_amx_attention() == 0
+    return "amx_bf16" in cpu_flags() and amx() and library().q4_amx_attention() == 0
 
 
 def use_amx_attention(on: bool) -> None:

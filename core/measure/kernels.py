@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 
 from core.backends import lean, q4, stepops
+from core.cpuinfo import cpu_flags
 from core.measure.clock import time_ms
-from core.measure.profile import cpu_flags, machine
+from core.measure.profile import machine
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ROWS = (1, 8)  # a plain step and a typical tree step
@@ -196,7 +197,7 @@ def amx_attention(heads: int, kv_heads: int, head_dim: int, record: Path) -> boo
     on this model's heads, and a one-token step loses no more than `ONE_ROW_LOSS` (what decoding
     runs most). Measured once per machine, shape and kernel library, and remembered; a new
     measurement turns an earlier choice over only when the ratio is clearly on the other side."""
-    if head_dim % 32 or not stepops.Ops.attends(head_dim) or not stepops.can_amx_attention():
+    if not stepops.amx_heads(head_dim) or not stepops.can_amx_attention():
         return False
 
     def decide(earlier: bool | None) -> bool:
@@ -216,14 +217,11 @@ def _amx_attention_ratio(heads: int, kv_heads: int, head_dim: int) -> float:
     ratios = []
     for rows in (1, 16):
         q = torch.randn(rows, heads, head_dim, generator=gen).bfloat16()
-        times: dict[bool, list[float]] = {False: [], True: []}
-        for _ in range(FLAVOR_REPEATS):
-            for on in (False, True):
-                times[on].append(
-                    time_ms(lambda on=on, q=q: ops[on].attention(q, keys, values, AMX_KEYS, None), repeats=3)
-                )
-        middle = FLAVOR_REPEATS // 2
-        ratios.append(sorted(times[False])[middle] / sorted(times[True])[middle])
+        ratios.append(
+            _ratio_by_turns(
+                lambda on, q=q: time_ms(lambda: ops[on].attention(q, keys, values, AMX_KEYS, None), repeats=3)
+            )
+        )
     return ratios[0] if ratios[0] < 1 - ONE_ROW_LOSS else sum(ratios) / len(ratios)
 
 
@@ -242,15 +240,25 @@ def _by_turns(hidden: int, inner: int, counts: tuple[int, ...], switch) -> dict[
     with torch.inference_mode():
         for rows in counts:
             x = {i: torch.randn(rows, i, generator=gen).to(torch.bfloat16) for i in (hidden, inner)}
-            times: dict[bool, list[float]] = {False: [], True: []}
-            for _ in range(FLAVOR_REPEATS):
-                for on in (False, True):
-                    switch(on, layers)
-                    times[on].append(time_ms(lambda x=x: [layer(x[layer.k]) for layer in layers], repeats=1))
-            middle = FLAVOR_REPEATS // 2
-            ratios[rows] = sorted(times[False])[middle] / sorted(times[True])[middle]
+
+            def timed(on: bool, x=x) -> float:
+                switch(on, layers)
+                return time_ms(lambda: [layer(x[layer.k]) for layer in layers], repeats=1)
+
+            ratios[rows] = _ratio_by_turns(timed)
     switch(False, layers)
     return ratios
+
+
+def _ratio_by_turns(timed) -> float:
+    """The median of `timed(False)` (ms) over that of `timed(True)`, the two called by turns,
+    `FLAVOR_REPEATS` times each."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(FLAVOR_REPEATS):
+        for on in (False, True):
+            times[on].append(timed(on))
+    middle = FLAVOR_REPEATS // 2
+    return sorted(times[False])[middle] / sorted(times[True])[middle]
 
 
 def _remembered_draft(known: dict, key: str) -> tuple[str, str] | None:

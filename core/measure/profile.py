@@ -10,17 +10,16 @@ these figures are only true there.
 
 from __future__ import annotations
 
-import functools
 import os
 import platform
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
 from core.backends.base import Backend
 from core.backends.lean.packed import QUANTIZED, PackedLinear
+from core.cpuinfo import cpu_fields, cpu_flags
 from core.decode.settings import DecodeSettings
 from core.decode.step import Forward, accept, commit, decoder_layers, prefill, tree_mask, verify
 from core.decode.tree import TreeBuffers, build_tree, load_tree
@@ -84,23 +83,8 @@ def cpu_kernels() -> str:
     return f"{aten} ({', '.join(limits)})" if limits else aten
 
 
-@functools.cache
-def _cpuinfo() -> dict[str, str]:
-    """The first processor's fields in /proc/cpuinfo (empty where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return {}
-    fields = (line.partition(":") for line in text.split("\n\n")[0].splitlines())
-    return {k.strip(): v.strip() for k, _, v in fields}
-
-
-def cpu_flags() -> set[str]:
-    return set(_cpuinfo().get("flags", "").split())
-
-
 def _cpu_name() -> str:
-    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
+    return cpu_fields().get("model name") or platform.processor() or platform.machine()
 
 
 def _cpu_isa() -> str:

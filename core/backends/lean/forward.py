@@ -38,7 +38,6 @@ class LeanForward:
         self.rope = self.ropes[0]
         self.final_norm = norm(base.norm, stepops.ops(self.dtype, model.device))
         self.native = native_decoder(base.layers, config, self.layers, self.rope_of)  # every layer in one call, or None
-        self._modules, self._config = base.layers, config
 
     def new_cache(self) -> StaticKV:
         return StaticKV(len(self.layers), self.kv_heads, self.head_dim, self.dtype)
