@@ -199,6 +199,8 @@ def cpu_choice(config: object | None, dtype: str | None, int4: bool) -> kernels.
         dim = getattr(config, "head_dim", None) or hidden // heads
         kv = getattr(config, "num_key_value_heads", None) or heads
         stepops.use_amx_attention(kernels.amx_attention(heads, kv, dim, record))
+        layers = getattr(config, "num_hidden_layers", 1)
+        stepops.use_kv_bits(kernels.kv_bits(heads, kv, dim, layers, record) if int4 else 16)
     if int4:  # the 4-bit kernels' flavors first: the kernels are then timed as they will run
         q4.use_amx(kernels.amx_rows(hidden, inner, record))
         q4.use_avx_vnni(kernels.avx_vnni(hidden, inner, record))

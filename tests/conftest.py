@@ -22,3 +22,14 @@ def home(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     store.chats_dir().mkdir(parents=True)
     return tmp_path
+
+
+@pytest.fixture(autouse=True)
+def _fresh_kernel_choices():
+    """Each test starts from the step ops' default choices (attention in vectors, bf16 keys and
+    values): a model loaded by one test sets them for the models loaded after it."""
+    from core.backends import stepops
+
+    saved = dict(stepops._chosen)
+    yield
+    stepops._chosen.update(saved)

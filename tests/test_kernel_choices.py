@@ -271,3 +271,35 @@ def test_the_amx_attention_choice_is_measured_on_this_machine(tmp_path):
     finally:
         stepops.use_amx_attention(False)
     assert not stepops.ops(torch.bfloat16).amx_attention(64)
+
+
+def test_the_kv_bits_are_remembered_and_turn_only_on_a_clear_gain(tmp_path, monkeypatch):
+    """8-bit keys and values where a one-token step gains `KV8_GAIN` and a 16-row block loses at
+    most `ONE_ROW_LOSS`; remembered per kernel (nothing timed at later launches); a measurement
+    with another kernel library keeps the earlier choice near the threshold."""
+    _library()
+    monkeypatch.setitem(stepops._chosen, "amx attention", False)
+    old_key = kernels._LIBRARY_ID.sub("|kernels 000000000000", kernels._key("kv bits 9x3x64", "vectors"))
+    cases = (
+        ((1.3, 1.0), None, 8), ((1.05, 1.0), None, 16), ((1.3, 0.8), None, 16),  # measured afresh
+        ((1.12, 1.0), 16, 16), ((1.08, 1.0), 8, 8), ((1.25, 1.0), 16, 8), ((1.0, 1.0), 8, 16),  # an earlier choice
+    )  # fmt: skip
+    for ratios, earlier, want in cases:
+        record = _record(tmp_path, {} if earlier is None else {old_key: earlier})
+        monkeypatch.setattr(kernels, "_kv8_ratios", lambda *shape, ratios=ratios: ratios)
+        assert kernels.kv_bits(9, 3, 64, 30, record) == want, (ratios, earlier)
+        monkeypatch.setattr(kernels, "_kv8_ratios", lambda *shape: pytest.fail("measured again"))
+        for _launch in range(4):
+            assert kernels.kv_bits(9, 3, 64, 30, record) == want
+    assert kernels.kv_bits(4, 4, 40, 30, tmp_path / "odd.json") == 16  # heads the attention kernel does not take
+
+
+def test_the_kv_bits_are_measured_on_this_machine(tmp_path):
+    """Both caches timed at the memory's speed with the chosen attention kernel; a model loaded
+    after the choice keeps its keys and values so and names it in its forward."""
+    _library()
+    one, many = kernels._kv8_ratios(9, 3, 64, 30)
+    assert 0.2 < one < 5 and 0.2 < many < 5
+    bits = kernels.kv_bits(9, 3, 64, 30, tmp_path / "record.json")
+    assert bits in (8, 16)
+    assert bits == 8 or one < kernels.KV8_GAIN + kernels.CLEAR_WIN - 1 or many < 1 - kernels.ONE_ROW_LOSS

@@ -154,7 +154,37 @@ def test_greedy_tree_decoding_equals_plain_with_attention_on_amx(family, monkeyp
     backend = lean(family, "q4")
     assert backend.forward.native is not None and "AMX attention" in backend.describe()
     _tree_equals_plain(backend)
-    with torch.inference_mode():  # the prompt read in one block, or a token at a time: the same cache
+    _blocks_equal_steps(backend)
+
+
+@pytest.mark.parametrize("attention", ["vectors", "amx"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tree_decoding_equals_plain_with_8_bit_keys_and_values(family, attention, monkeypatch):
+    """The library's decoder on an 8-bit cache (each row's int8 values and scale), its attention in
+    vectors or on AMX: a tree's nodes get the bits of one-token steps, a prompt's blocks those of
+    its steps, and the first logits stay within bf16 noise of a bf16 cache's."""
+    require_kernel("q4", torch.bfloat16)
+    if attention == "amx" and not stepops.can_amx_attention():
+        pytest.skip("this CPU (or its Linux) does not give AMX's bf16 products")
+    monkeypatch.setitem(stepops._chosen, "amx attention", attention == "amx")
+    monkeypatch.setitem(stepops._chosen, "kv bits", 8)
+    backend = lean(family, "q4")
+    assert backend.forward.native is not None and "8-bit KV" in backend.describe()
+    assert backend.new_cache().keys.dtype == torch.uint8
+    _tree_equals_plain(backend)
+    _blocks_equal_steps(backend)
+    logits = []
+    with torch.inference_mode():
+        for bits in (8, 16):
+            backend.forward.kv_bits = bits
+            logits.append(backend.logits(prefill(backend, backend.new_cache(), torch.tensor(PROMPT)).features).full())
+    eight, sixteen = (x.float() for x in logits)
+    assert (eight - sixteen).abs().mean() < 0.02 * sixteen.abs().max()
+
+
+def _blocks_equal_steps(backend) -> None:
+    """The prompt read in one block, or a token at a time: the same cache, bit for bit."""
+    with torch.inference_mode():
         caches = []
         for block in (len(PROMPT), 1):
             cache = backend.new_cache()

@@ -158,15 +158,17 @@ def ops_or_skip(variant: str) -> stepops.Ops:
     return ops
 
 
+@pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("variant", ["avx512-vnni", "avx2", "amx"])
 @pytest.mark.parametrize(
     "heads, kv, d, past", [(6, 2, 32, 37), (9, 3, 64, 1001), (4, 1, 48, 150), (8, 2, 128, 300), (9, 3, 64, 1535)]
 )
-def test_attention_matches_torch_and_a_tree_node_equals_a_one_token_step(variant, heads, kv, d, past):
+def test_attention_matches_torch_and_a_tree_node_equals_a_one_token_step(variant, heads, kv, d, past, bits):
     """GQA with a tree mask against torch's sdpa (head sizes whose vectors split unevenly, query
     counts a kv head that are not multiples of the kernel's groups, prefixes of odd lengths); then
     node 3 of the tree, whose ancestors sit at scattered slots, against a one-token step over the
-    same keys laid out as an accepted path (prefix, then its ancestors in order): the same bits."""
+    same keys laid out as an accepted path (prefix, then its ancestors in order): the same bits.
+    With 8-bit keys and values (an 8-bit StaticKV's rows) torch reads their values dequantized."""
     ops = ops_or_skip(variant)
     gen = torch.Generator().manual_seed(5)
     parents = [-1, 0, 0, 1, 1, 2]  # a tree of 6 nodes after the prefix
@@ -181,9 +183,13 @@ def test_attention_matches_torch_and_a_tree_node_equals_a_one_token_step(variant
     keys = torch.randn(kv, length + 20, d, generator=gen).to(torch.bfloat16)
     values = torch.randn(kv, length + 20, d, generator=gen).to(torch.bfloat16)
     q = torch.randn(t, heads, d, generator=gen).to(torch.bfloat16)
+    exact = keys.float(), values.float()
+    if bits == 8:
+        keys, values = fast.kv.quantize8(keys), fast.kv.quantize8(values)
+        exact = fast.kv.dequantize8(keys), fast.kv.dequantize8(values)
     got = ops.attention(q, keys, values, length, mask).view(t, heads, d)
     want = torch.nn.functional.scaled_dot_product_attention(
-        q.float().transpose(0, 1)[None], keys[:, :length].float()[None], values[:, :length].float()[None],
+        q.float().transpose(0, 1)[None], exact[0][:, :length][None], exact[1][:, :length][None],
         attn_mask=mask.float()[None, None], enable_gqa=True,
     )[0].transpose(0, 1)  # fmt: skip
     assert (got.float() - want).abs().max() < 2e-2

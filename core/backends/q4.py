@@ -39,11 +39,12 @@ SOURCES = (
     NATIVE / "q4gemm.c",
     NATIVE / "avx2.c",
     NATIVE / "amx.c",
+    NATIVE / "attend.c",
     NATIVE / "attend_amx.c",
     NATIVE / "step.c",
     NATIVE / "decode.c",
 )  # compiled together, with common.h
-VERSION = 18  # q4_version() of the source above
+VERSION = 19  # q4_version() of the source above
 TILE = 16  # outputs per tile (inputs per scale: `quantize.GROUP`)
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
 ISAS = {"avx512-vnni": 2, "avx2": 1}  # the kernel variants, as q4_gemm numbers them

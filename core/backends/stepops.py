@@ -13,8 +13,9 @@ from core.cpuinfo import cpu_flags
 
 HEAD_STEP, MAX_HEAD = 16, 512  # the head sizes the attention kernel takes (step.c)
 AMX_SCORES, AMX_VALUES = 4, 8  # added to the variant's number: attention on AMX (attend_amx.c)
+KV8 = 16  # added too: keys and values in 8 bits (an 8-bit `StaticKV`, common.h's KV8_ROW)
 AMX_HEAD_STEP = 32  # the head sizes AMX's attention takes are multiples of this (common.h's amx_mode)
-_chosen = {"amx attention": False}
+_chosen = {"amx attention": False, "kv bits": 16}
 
 
 class Ops:
@@ -59,14 +60,15 @@ class Ops:
         self, q: Tensor, keys: Tensor, values: Tensor, length: int, mask: Tensor | None, scale: float | None = None,
         window: bool = False,
     ) -> Tensor:  # fmt: skip
-        """q (t, heads, d) with contiguous heads, keys and values (kv heads, capacity, d), of which
-        the first `length` are used; mask (t, length) bf16, 0 where a key is seen, or None (all
-        seen) → (t, heads · d). `scale`: the scores' (default d^-0.5); `window`: a sliding-window
-        layer's (its mask hides early keys: AMX then makes the scores alone, see attend_amx.c)."""
+        """q (t, heads, d) with contiguous heads, keys and values (kv heads, capacity, d), or 8-bit
+        rows (kv heads, capacity, d + 4) uint8 (an 8-bit `StaticKV`'s), of which the first `length`
+        are used; mask (t, length) bf16, 0 where a key is seen, or None (all seen) → (t, heads · d).
+        `scale`: the scores' (default d^-0.5); `window`: a sliding-window layer's (its mask hides
+        early keys: AMX then makes the scores alone, see attend_amx.c)."""
         t, heads, d = q.shape
         kv, capacity = keys.shape[0], keys.shape[1]
         out = torch.empty(t, heads * d, dtype=torch.bfloat16)
-        variant = self.variant & ~AMX_VALUES if window else self.variant
+        variant = (self.variant & ~AMX_VALUES if window else self.variant) | (KV8 if keys.dtype == torch.uint8 else 0)
         code = self.lib.q4_attention(
             variant, torch.get_num_threads(), t, heads, kv, d, length, q.data_ptr(), q.stride(0),
             keys.data_ptr(), values.data_ptr(), capacity, None if mask is None else mask.data_ptr(),
@@ -93,6 +95,18 @@ def use_amx_attention(on: bool) -> None:
     `can_amx_attention()`. A model keeps its choice for its whole session: the two differ in their
     last bits, and a kept cache must be read with the kernel that wrote it."""
     _chosen["amx attention"] = bool(on) and can_amx_attention()
+
+
+def use_kv_bits(bits: int) -> None:
+    """The models loaded from now on keep their keys and values in `bits` (8 or 16) where the
+    library's decoder runs their layers (an 8-bit `StaticKV`); a model keeps its cache's format
+    for its whole session, as its attention kernel."""
+    _chosen["kv bits"] = 8 if bits == 8 else 16
+
+
+def kv_bits() -> int:
+    """The bits of keys and values `use_kv_bits` chose last (16 unless it chose 8)."""
+    return _chosen["kv bits"]
 
 
 def raise_for(code: int, head_dim: int) -> None:

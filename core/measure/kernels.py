@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from core.backends import lean, q4, stepops
+from core.backends.lean.kv import quantize8
 from core.cpuinfo import cpu_flags
 from core.measure.clock import time_ms
 from core.measure.profile import machine
@@ -35,6 +36,8 @@ AMX_ROWS = (2, 4, 8, 12, 16, 32)  # the row counts timed for AMX (`amx_rows`)
 FLAVOR_REPEATS = 5  # timings by turns of a kernel flavor on and off (`amx_rows`, `avx_vnni`)
 AMX_KEYS = 2048  # keys of the attention timed for AMX (`amx_attention`)
 ONE_ROW_LOSS = 0.1  # the most a one-token step's attention may lose for AMX to be taken
+KV8_GAIN = 1.1  # 8-bit keys and values are taken where a one-token step's attention is this much faster
+KV_CONTEXT, KV_TIMED = 4096, 128 * 2**20  # the context whose keys and values (bf16, at most these bytes) are timed
 HEAD_REPEATS = 9  # interleaved timings of one and eight rows through the lm_head (their medians compared)
 WITHOUT_LIBRARY = "without the kernel library"  # the key suffix of a choice measured while the library was unavailable
 _LIBRARY_ID = re.compile(r"\|kernels [0-9a-f]+")  # the kernel library's build in a record's key (see `_key`)
@@ -223,6 +226,51 @@ def _amx_attention_ratio(heads: int, kv_heads: int, head_dim: int) -> float:
             )
         )
     return ratios[0] if ratios[0] < 1 - ONE_ROW_LOSS else sum(ratios) / len(ratios)
+
+
+def kv_bits(heads: int, kv_heads: int, head_dim: int, layers: int, record: Path) -> int:
+    """The bits of the keys and values a model's cache keeps here (`stepops.use_kv_bits`): 8 where
+    a one-token step's attention over the keys and values of `KV_CONTEXT` tokens in `layers`
+    layers (as many bytes, up to `KV_TIMED`) takes `KV8_GAIN` less time with them than in bf16 and
+    a 16-row block's loses no more than `ONE_ROW_LOSS`, timed by turns with the attention kernel
+    the model runs (chosen first: `amx_attention`); else 16. Measured once per machine, shape and
+    kernel, remembered."""
+    if not stepops.Ops.attends(head_dim) or q4.library() is None:
+        return 16
+    kernel = "amx" if stepops.Ops(q4.library()).amx_attention(head_dim) else "vectors"
+
+    def decide(earlier: int | None) -> int:
+        one, many = _kv8_ratios(heads, kv_heads, head_dim, layers)  # bf16's time over 8-bit's
+        if earlier is not None and abs(one - KV8_GAIN) < CLEAR_WIN - 1 and many >= 1 - ONE_ROW_LOSS:
+            return earlier
+        return 8 if one >= KV8_GAIN and many >= 1 - ONE_ROW_LOSS else 16
+
+    return _remembered(record, _key(f"kv bits {heads}x{kv_heads}x{head_dim}", kernel), int, decide)
+
+
+def _kv8_ratios(heads: int, kv_heads: int, head_dim: int, layers: int) -> tuple[float, float]:
+    """bf16 caches' median time over 8-bit ones' for one row's and 16 rows' attention over the
+    keys and values of `KV_CONTEXT` tokens in `layers` layers (at most `KV_TIMED` bytes in bf16),
+    in parts of `AMX_KEYS` keys: at the memory's speed, as a step at a long context."""
+    gen = torch.Generator().manual_seed(0)
+    part = 4 * kv_heads * AMX_KEYS * head_dim  # bytes of one part's keys and values in bf16
+    caches = {False: [], True: []}
+    for _ in range(max(2, min(layers * KV_CONTEXT // AMX_KEYS, KV_TIMED // part))):
+        keys, values = (torch.randn(kv_heads, AMX_KEYS, head_dim, generator=gen).bfloat16() for _ in range(2))
+        caches[False].append((keys, values))
+        caches[True].append((quantize8(keys), quantize8(values)))
+    ops = stepops.Ops(q4.library())
+    ratios = []
+    for rows in (1, 16):
+        q = torch.randn(rows, heads, head_dim, generator=gen).bfloat16()
+        ratios.append(
+            _ratio_by_turns(
+                lambda on, q=q: time_ms(
+                    lambda: [ops.attention(q, k, v, AMX_KEYS, None) for k, v in caches[on]], repeats=3
+                )
+            )
+        )
+    return ratios[0], ratios[1]
 
 
 def _by_turns(hidden: int, inner: int, counts: tuple[int, ...], switch) -> dict[int, float]:

@@ -45,7 +45,8 @@ class LeanBackend(OnModel):
         flavors = q4.flavors(self._amx_rows()) if {kernel, head} & {"q4", "q8"} else ""
         ops = self.forward.layers[0].ops if self.forward.layers else None
         scores = ", AMX attention" if ops is not None and ops.amx_attention(self.forward.layers[0].head_dim) else ""
-        return f"lean, {kernel} layers{whole}, {head} lm_head{' by node' if self.row_head else ''}{flavors}{scores}"
+        kv = ", 8-bit KV" if self.forward.kv_bits == 8 else ""
+        return f"lean, {kernel} layers{whole}, {head} lm_head{' by node' if self.row_head else ''}{flavors}{scores}{kv}"
 
     def _amx_rows(self) -> int:
         """From how many rows the library's weights take AMX (0: none): the lm_head's or a layer's."""

@@ -38,9 +38,10 @@ class LeanForward:
         self.rope = self.ropes[0]
         self.final_norm = norm(base.norm, stepops.ops(self.dtype, model.device))
         self.native = native_decoder(base.layers, config, self.layers, self.rope_of)  # every layer in one call, or None
+        self.kv_bits = stepops.kv_bits() if self.native is not None else 16  # 8: only the library's decoder reads them
 
     def new_cache(self) -> StaticKV:
-        return StaticKV(len(self.layers), self.kv_heads, self.head_dim, self.dtype)
+        return StaticKV(len(self.layers), self.kv_heads, self.head_dim, self.dtype, bits=self.kv_bits)
 
     def run(
         self, ids: Tensor, positions: Tensor, mask: Tensor | None, cache: StaticKV, taps: Taps = ()

@@ -9,17 +9,29 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+KV8_EXTRA = 4  # an 8-bit row's bytes after its head_dim int8 values: its float32 scale (common.h's KV8_ROW)
+
 
 class StaticKV:
     """Keys and values of every layer in two pre-allocated tensors, (layers, kv heads, capacity,
-    head dim); the first `length` positions are the committed prefix."""
+    head dim); the first `length` positions are the committed prefix. With `bits=8` (read and
+    written by the kernel library's decoder only) a row is head dim int8 values then its float32
+    scale, as bytes: (layers, kv heads, capacity, head dim + 4) uint8, half the memory of bf16."""
 
     def __init__(
-        self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, capacity: int = 256, device=None
-    ) -> None:
-        self.keys = torch.zeros(layers, heads, capacity, head_dim, dtype=dtype, device=device)
+        self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, capacity: int = 256, device=None,
+        bits: int = 16,
+    ) -> None:  # fmt: skip
+        if bits not in (8, 16):
+            raise ValueError(f"a KV cache holds 8- or 16-bit keys and values, not {bits}-bit ones")
+        row, dtype = (head_dim + KV8_EXTRA, torch.uint8) if bits == 8 else (head_dim, dtype)
+        self.keys = torch.zeros(layers, heads, capacity, row, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         self.length = 0
+
+    @property
+    def bits(self) -> int:
+        return 8 if self.keys.dtype == torch.uint8 else 16
 
     def get_seq_length(self) -> int:
         return self.length
@@ -57,3 +69,20 @@ class StaticKV:
             self.keys[:, :, :rest] = self.keys[:, :, count : self.length].clone()
             self.values[:, :, :rest] = self.values[:, :, count : self.length].clone()
             self.length = rest
+
+
+def dequantize8(rows: Tensor) -> Tensor:
+    """8-bit cache rows (…, head dim + 4) uint8 → their values (…, head dim) float32."""
+    d = rows.shape[-1] - KV8_EXTRA
+    scale = rows[..., d:].contiguous().view(torch.float32)
+    return rows[..., :d].contiguous().view(torch.int8).float() * scale
+
+
+def quantize8(x: Tensor) -> Tensor:
+    """Rows (…, head dim) → 8-bit cache rows (…, head dim + 4) uint8, as the library's decoder
+    writes them (q4_kv8_store): scale = the largest magnitude / 127, values rounded to multiples."""
+    x = x.float()
+    top = x.abs().amax(dim=-1, keepdim=True)
+    scale = top / 127.0
+    q = torch.where(top > 0, torch.round(x / scale), torch.zeros_like(x)).to(torch.int8)
+    return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=-1)

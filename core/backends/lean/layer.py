@@ -68,6 +68,8 @@ class LeanLayer:
         """(T, H) residual stream in and out; the T new keys and values go to [past, past + T)."""
         t, end, i = x.shape[0], past + x.shape[0], self.index
         heads, kv, d = self.heads, self.kv_heads, self.head_dim
+        if cache.bits != 16:
+            raise ValueError("8-bit keys and values are read and written by the kernel library's decoder only")
         qkv = self.qkv(self.norm1(x))
         qk = qkv[:, : self.q_size + self.kv_size].view(t, heads + kv, d)
         if self.q_norm is not None:

@@ -186,8 +186,9 @@ class Decoder:
         t, hidden = x.shape
         counts = torch.tensor(taps, dtype=torch.int64)
         streams = torch.empty(t, len(taps) * hidden, dtype=x.dtype)
+        variant = self.variant | (stepops.KV8 if keys.dtype == torch.uint8 else 0)
         code = self.lib.q4_decode(
-            self.address, self.variant, torch.get_num_threads(), t, x.data_ptr(), cos.data_ptr(),
+            self.address, variant, torch.get_num_threads(), t, x.data_ptr(), cos.data_ptr(),
             sin.data_ptr(), None if at is None else at.data_ptr(), past, None if mask is None else mask.data_ptr(),
             keys.data_ptr(), values.data_ptr(), keys.shape[2], counts.data_ptr(), len(taps), streams.data_ptr(),
         )  # fmt: skip

@@ -24,15 +24,20 @@
 int q4_amx_attention(void) { return -1; }
 void q4_amx_begin(void) {}
 void q4_amx_end(void) {}
-void q4_part_amx(int amx, int64_t n, int64_t d, const uint16_t *const *q, float scale, const uint16_t *k,
-                 const uint16_t *v, int64_t from, int64_t to, int64_t open, const uint16_t *const *mask, float *scores,
-                 float *scratch, float *top, float *total, float *acc) {
-  (void)amx, (void)n, (void)d, (void)q, (void)scale, (void)k, (void)v, (void)from, (void)to, (void)open, (void)mask;
+void q4_widen_values(const int8_t *rows, int64_t d, int64_t count, uint16_t *out, float *units) {
+  (void)rows, (void)d, (void)count, (void)out, (void)units;
+}
+void q4_part_amx(int amx, int kv8, int64_t n, int64_t d, const uint16_t *const *q, float scale, const void *k,
+                 const void *v, const uint16_t *wide, const float *wide_units, int64_t from, int64_t to,
+                 int64_t open, const uint16_t *const *mask, float *scores, float *scratch, float *top, float *total,
+                 float *acc) {
+  (void)amx, (void)kv8, (void)wide, (void)wide_units, (void)n, (void)d, (void)q, (void)scale, (void)k, (void)v;
+  (void)from, (void)to, (void)open, (void)mask;
   (void)scores, (void)scratch, (void)top, (void)total, (void)acc;
 }
 #else
 
-#define TAMXB __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-bf16")))
+#define TAMXB __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-bf16,amx-int8")))
 #define KEYS16 16 /* keys a tile's rows hold */
 #define AHEAD 32  /* keys ahead whose keys the scores prefetch */
 
@@ -118,6 +123,64 @@ TAMXB static void scores_amx(int64_t n, int64_t d, const uint16_t *const *q, flo
   }
 }
 
+/* The 8-bit cache's scores (KV8_ROW rows, d a multiple of 64): each query rounded to int8 on its
+ * own scale (its largest magnitude / 127), so one `tdpbssd` makes 16 keys' exact integer dot
+ * products with 16 queries (tile A: 16 keys' int8 rows as they lie in the cache, 64 dims; tile B:
+ * the queries' dims in fours side by side); a score is then that integer × the key's scale × the
+ * query's scale × `scale`, in that order. Scratch as scores_amx's, the queries' scales in qs. */
+TAMXB static void scores_amx8(int64_t n, int64_t d, const uint16_t *const *q, float scale, const int8_t *k,
+                              int64_t length, int64_t padded, float *tile, int8_t *qt, int8_t *tail, float *qs,
+                              float *s) {
+  int64_t chunks = d / 64, row = KV8_ROW(d);
+  memset(qt, 0, (size_t)(1024 * chunks));
+  for (int64_t m = 0; m < n; m++) { /* B row p of chunk c: dims 64c + 4p .. 4p + 3 of each query (4 bytes a query) */
+    __m512 most = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 16) most = _mm512_max_ps(most, _mm512_abs_ps(LOAD_BF512(q[m] + i)));
+    float top = _mm512_reduce_max_ps(most), unit = top / 127.0f;
+    __m512 u = _mm512_set1_ps(top > 0.0f ? unit : 1.0f); /* top 0: every dim 0 */
+    for (int64_t i = 0; i < d; i += 16) { /* rounded to the nearest integer, ties to even */
+      int8_t x[16];
+      _mm_storeu_si128((__m128i *)x, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(LOAD_BF512(q[m] + i), u))));
+      for (int64_t f = i; f < i + 16; f += 4) memcpy(qt + f / 64 * 1024 + f % 64 / 4 * 64 + m * 4, x + f - i, 4);
+    }
+    qs[m] = unit * scale;
+  }
+  const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  for (int64_t j0 = 0; j0 < padded; j0 += KEYS16) {
+    const int8_t *rows = k + j0 * row;
+    if (j0 + KEYS16 > length) {
+      memset(tail, 0, (size_t)(KEYS16 * row));
+      memcpy(tail, rows, (size_t)((length - j0) * row));
+      rows = tail;
+    }
+    for (int64_t b = 0; j0 + AHEAD + KEYS16 <= length && b < KEYS16 * row; b += 64) /* the cache's keys ahead */
+      _mm_prefetch((const char *)(k + (j0 + AHEAD) * row) + b, _MM_HINT_T0);
+    _tile_zero(0);
+    for (int64_t c = 0; c < chunks; c++) {
+      _tile_loadd(1, rows + 64 * c, row);
+      _tile_loadd(2, qt + c * 1024, 64);
+      _tile_dpbssd(0, 1, 2);
+    }
+    _tile_stored(0, tile, 64); /* a row a key, a lane a query: integers */
+    float ks[KEYS16];
+    for (int i = 0; i < KEYS16; i++) ks[i] = kv8_scale(rows + i * row, d);
+    const __m512 keys = _mm512_loadu_ps(ks);
+    if (n > 4) {
+      __m512 r[16];
+      for (int i = 0; i < 16; i++) r[i] = _mm512_cvtepi32_ps(_mm512_loadu_si512(tile + 16 * i));
+      transpose16(r);
+      for (int64_t m = 0; m < n; m++)
+        _mm512_storeu_ps(s + m * padded + j0, _mm512_mul_ps(_mm512_mul_ps(r[m], keys), _mm512_set1_ps(qs[m])));
+    } else {
+      for (int64_t m = 0; m < n; m++) {
+        __m512i x = _mm512_i32gather_epi32(_mm512_add_epi32(column, _mm512_set1_epi32((int)m)), tile, 4);
+        __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(x), keys);
+        _mm512_storeu_ps(s + m * padded + j0, _mm512_mul_ps(y, _mm512_set1_ps(qs[m])));
+      }
+    }
+  }
+}
+
 /* B tiles (`tiles` of 16 dims from dim c; 2 or 4) of 32 keys' values: row p holds keys 2p and 2p
  * + 1 side by side, dim by dim (tile A's weights pair them so), in the order one unpack of a
  * 128-bit lane gives: of 32 dims, tile 2h has dims 0-3, 8-11, 16-19, 24-27 and tile 2h + 1 the
@@ -132,6 +195,34 @@ TAMXB static void pairs_of(const uint16_t *const *rows, int64_t c, int tiles, ui
       _mm512_storeu_si512(out + (h * 16 + p) * 32, _mm512_unpacklo_epi16(x, y));
       _mm512_storeu_si512(out + ((h + 1) * 16 + p) * 32, _mm512_unpackhi_epi16(x, y));
     }
+}
+
+/* Dims [c0, c1) of an 8-bit row's integers as bf16 (exact: bf16 holds every int8; the row's
+ * scale is left to the weights), 16 at a time. */
+TAMXB static inline void widen8(const int8_t *x, int64_t c0, int64_t c1, uint16_t *out) {
+  for (int64_t i = c0; i < c1; i += 16) {
+    __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(LOAD_I8512(x + i)), 16);
+    _mm256_storeu_si256((__m256i *)(out + i), _mm512_cvtepi32_epi16(bits));
+  }
+}
+
+/* Rows [0, count) of 8-bit values (KV8_ROW apart) widened (widen8) to rows of d, their scales to
+ * `units`: what the query blocks of a many-row pass share (step.c), so each widens none. */
+TAMXB void q4_widen_values(const int8_t *rows, int64_t d, int64_t count, uint16_t *out, float *units) {
+  for (int64_t j = 0; j < count; j++) {
+    widen8(rows + j * KV8_ROW(d), 0, d, out + j * d);
+    units[j] = kv8_scale(rows + j * KV8_ROW(d), d);
+  }
+}
+
+/* Key `key`'s values from dim c (16·tiles of them) as bf16: the cache's row; with kv8 the
+ * part's widened rows (`wide`, NULL: this row widened into `out` now). */
+TAMXB static inline const uint16_t *value_row(const char *v, int kv8, const uint16_t *wide, int64_t d, int64_t key,
+                                              int64_t c, int tiles, uint16_t *out) {
+  if (!kv8) return (const uint16_t *)v + key * d;
+  if (wide) return wide + key * d;
+  widen8((const int8_t *)v + key * KV8_ROW(d), c, c + 16 * tiles, out);
+  return out;
 }
 
 /* A query's sums (the tiles' columns in pairs_of's order) → dims in order. */
@@ -195,19 +286,25 @@ static int in_place(const uint16_t *mask, int64_t from, int64_t open, int64_t le
  * sum came out the same whatever the slots (the tests pass with no query's own products), as if
  * each product were aligned to the largest and truncated, but Intel does not say so: the slots
  * are kept. */
-TAMXB static void values_amx(int64_t n, int64_t d, const uint16_t *v, int64_t length, int64_t open,
+TAMXB static void values_amx(int64_t n, int64_t d, const char *v, int kv8, const uint16_t *wide,
+                             const float *wide_units, int64_t length, int64_t open,
                              const uint16_t *const *mask, int64_t from, const float *p, int64_t padded, float *acc,
                              float *scratch) {
-  int64_t p32 = (length + 31) / 32 * 32, shared = open / 32 * 32;
+  int64_t p32 = (length + 31) / 32 * 32, shared = open / 32 * 32, bytes = kv8 ? KV8_ROW(d) : 2 * d;
   uint16_t *pb = (uint16_t *)scratch, *pairs = pb + 16 * p32, *row = pairs + 4 * 512;
-  float *cs = (float *)(row + 16 * 32);
+  float *cs = (float *)(row + 16 * 32), *units = cs + 17 * 64; /* units: the keys' value scales (8-bit) */
+  uint16_t *widened = (uint16_t *)(units + p32);                  /* 32 keys' 8-bit values widened */
   int own[AMX_QUERIES] = {0};
   memset(pb, 0, sizeof(uint16_t) * (size_t)(n * p32)); /* rows from n on: any values (their sums are not read) */
   memset(row, 0, sizeof(uint16_t) * 16 * 32);
+  for (int64_t j = 0; j < p32; j++) /* 1 past `length` (its weights are 0) */
+    units[j] = !kv8 || j >= length ? 1.0f : wide_units ? wide_units[j] : kv8_scale((const int8_t *)v + j * bytes, d);
   for (int64_t m = 0; m < n; m++) {
     own[m] = !in_place(mask[m], from, open, length);
-    for (int64_t j = 0; j < (own[m] ? shared : padded); j += 16) /* own: its products from `shared` on */
-      store_bf512(pb + m * p32 + j, round_bf512(_mm512_loadu_ps(p + m * padded + j)));
+    for (int64_t j = 0; j < (own[m] ? shared : padded); j += 16) { /* own: its products from `shared` on */
+      __m512 w = _mm512_loadu_ps(p + m * padded + j);
+      store_bf512(pb + m * p32 + j, round_bf512(kv8 ? _mm512_mul_ps(w, _mm512_loadu_ps(units + j)) : w));
+    }
   }
   const uint16_t *rows[32];
   for (int64_t c = 0; c < d; c += 64) {
@@ -217,9 +314,10 @@ TAMXB static void values_amx(int64_t n, int64_t d, const uint16_t *v, int64_t le
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t kb = 0; kb < p32; kb += 32) {
-      for (int64_t b = 0; c == 0 && kb + 64 <= length && b < 32 * d * 2; b += 64) /* the values ahead */
-        _mm_prefetch((const char *)(v + (kb + 32) * d) + b, _MM_HINT_T0);
-      for (int j = 0; j < 32; j++) rows[j] = kb + j < length ? v + (kb + j) * d : 0;
+      for (int64_t b = 0; c == 0 && kb + 64 <= length && b < 32 * bytes; b += 64) /* the values ahead */
+        _mm_prefetch(v + (kb + 32) * bytes + b, _MM_HINT_T0);
+      for (int j = 0; j < 32; j++)
+        rows[j] = kb + j < length ? value_row(v, kv8, wide, d, kb + j, c, tiles, widened + j * d) : 0;
       pairs_of(rows, c, tiles, pairs);
       product(tiles, pb + kb, p32 * (int64_t)sizeof(uint16_t), pairs);
     }
@@ -236,8 +334,9 @@ TAMXB static void values_amx(int64_t n, int64_t d, const uint16_t *v, int64_t le
               while (next < length && (mask[m][from + next] & 0x7fff) != 0) next++;
               key = next < length ? next++ : -1;
             }
-            rows[j] = key >= 0 ? v + key * d : 0;
-            row[j] = key >= 0 ? float_to_bf16(p[m * padded + key]) : 0; /* round_bf512's rounding */
+            rows[j] = key >= 0 ? value_row(v, kv8, wide, d, key, c, tiles, widened + j * d) : 0;
+            float w = key >= 0 ? p[m * padded + key] * units[key] : 0.0f; /* as the shared products' */
+            row[j] = key >= 0 ? float_to_bf16(kv8 ? w : p[m * padded + key]) : 0; /* round_bf512's rounding */
           }
           pairs_of(rows, c, tiles, pairs);
           product(tiles, row, 64, pairs);
@@ -253,18 +352,30 @@ TAMXB static void values_amx(int64_t n, int64_t d, const uint16_t *v, int64_t le
 
 /* One part's attention for up to AMX_QUERIES queries (step.c's ATTEND: the part's top, sum of
  * weights and weighted values), its scores on AMX and, where amx is 2, its weighted values; q: the
- * queries' bf16 rows; d a multiple of 32; scores: n rows of the part's keys padded to 16;
- * scratch: AMX_WORK(padded, d) floats. */
-TAMXB void q4_part_amx(int amx, int64_t n, int64_t d, const uint16_t *const *q, float scale, const uint16_t *k,
-                       const uint16_t *v, int64_t from, int64_t to, int64_t open, const uint16_t *const *mask,
-                       float *scores, float *scratch, float *top, float *total, float *acc) {
-  int64_t length = to - from, padded = (length + KEYS16 - 1) / KEYS16 * KEYS16;
+ * queries' bf16 rows; k, v: bf16 rows of d, or with kv8 8-bit ones (KV8_ROW; d a multiple of 64), the
+ * values then perhaps widened already (`wide`, `wide_units`: q4_widen_values' rows, NULL: none);
+ * d a multiple of 32; scores: n rows of the part's keys padded to 16; scratch: AMX_WORK(padded, d)
+ * floats. */
+TAMXB void q4_part_amx(int amx, int kv8, int64_t n, int64_t d, const uint16_t *const *q, float scale, const void *k,
+                       const void *v, const uint16_t *wide, const float *wide_units, int64_t from, int64_t to,
+                       int64_t open, const uint16_t *const *mask, float *scores, float *scratch, float *top,
+                       float *total, float *acc) {
+  int64_t length = to - from, padded = (length + KEYS16 - 1) / KEYS16 * KEYS16, bytes = kv8 ? KV8_ROW(d) : 2 * d;
   uint32_t *qt = (uint32_t *)(scratch + 256);
-  scores_amx(n, d, q, scale, k + from * d, length, padded, scratch, qt, (uint16_t *)(qt + 8 * d), scores);
-  weighted512(n, d, v, from, to, open, mask, scores, top, total, amx == 2 ? 0 : acc);
+  const char *kp = (const char *)k + from * bytes, *vp = (const char *)v + from * bytes;
+  if (kv8) {
+    scores_amx8(n, d, q, scale, (const int8_t *)kp, length, padded, scratch, (int8_t *)qt, (int8_t *)(qt + 8 * d),
+                (float *)(qt + 24 * d), scores);
+    weighted512_8(n, d, v, from, to, open, mask, scores, top, total, amx == 2 ? 0 : acc);
+  } else {
+    scores_amx(n, d, q, scale, (const uint16_t *)kp, length, padded, scratch, qt, (uint16_t *)(qt + 8 * d), scores);
+    weighted512(n, d, v, from, to, open, mask, scores, top, total, amx == 2 ? 0 : acc);
+  }
   if (amx == 2) {
     int64_t seen = open - from < 0 ? 0 : open - from > length ? length : open - from;
-    values_amx(n, d, v + from * d, length, seen, mask, from, scores, padded, acc, scratch + 256 + 16 * d);
+    values_amx(n, d, vp, kv8, wide ? wide + from * d : 0, wide ? wide_units + from : 0, length, seen, mask, from,
+               scores, padded, acc,
+               scratch + 256 + 24 * d + 64);
   }
 }
 #endif

@@ -47,6 +47,9 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even */
  * not kept one), still as floats; lanes that hold bf16 values → stored as bf16. */
 #define LOAD_BF256(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define LOAD_BF512(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+/* 8 or 16 int8 values → float lanes. */
+#define LOAD_I8256(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define LOAD_I8512(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 T256 static inline __m256 round_bf256(__m256 v) {
   __m256i bits = _mm256_castps_si256(v);
   __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
@@ -138,27 +141,57 @@ typedef struct {
   uint8_t rows[16];
 } tile_config;
 
+/* Keys and values in 8 bits (ISA_KV8): a cache row of d int8 then its float scale (the row's
+ * largest magnitude / 127), the value i being int8[i] · scale. */
+#define KV8_ROW(d) ((d) + 4)
+static inline float kv8_scale(const int8_t *row, int64_t d) {
+  float scale;
+  memcpy(&scale, row + d, sizeof scale);
+  return scale;
+}
+void q4_kv8_store(const uint16_t *x, int64_t d, int8_t *row);
+
+/* attend.c's attention of one part of the keys (q4_attend's parts), in vectors: bf16 keys and
+ * values, or (_8) 8-bit ones. work: PART_WORK(n, to - from) floats. */
+#define QUERIES 48   /* the most queries one pass over a kv head's keys and values serves */
+#define HEAD_STEP 16 /* head sizes must be multiples of this (core/backends/stepops.py HEAD_STEP) */
+#define KEYS 16
+#define PADDED(length) (((length) + KEYS - 1) / KEYS * KEYS)
+#define PART_WORK(n, length) ((n) * PADDED(length))
+#define ATTEND_ARGS                                                                                                  \
+  int64_t n, int64_t d, const float *qf, const void *keys, const void *values, int64_t from, int64_t to,            \
+      int64_t open, const uint16_t *const *mask, float *work, float *top, float *total, float *acc
+void attend512(ATTEND_ARGS);
+void attend256(ATTEND_ARGS);
+void attend512_8(ATTEND_ARGS);
+void attend256_8(ATTEND_ARGS);
+
 /* step.c's softmax and weighted values of a part once its scores are made (its WEIGHTED), and
  * attend_amx.c's attention of one part with its scores on AMX. */
 void weighted512(int64_t n, int64_t d, const uint16_t *v, int64_t from, int64_t to, int64_t open,
                  const uint16_t *const *mask, float *scores, float *top, float *total, float *acc);
+void weighted512_8(int64_t n, int64_t d, const int8_t *v, int64_t from, int64_t to, int64_t open,
+                   const uint16_t *const *mask, float *scores, float *top, float *total, float *acc);
 #define ISA_VARIANT 3    /* the variant's number (1 AVX2, 2 AVX-512) in an `isa` argument, whose */
 #define ISA_AMX_SCORES 4 /* added flags ask for attention's scores on AMX, */
 #define ISA_AMX_VALUES 8 /* and its weighted values too (layers without a sliding window) */
+#define ISA_KV8 16       /* keys and values in 8 bits (KV8_ROW) */
 /* q4_attend's `amx` for heads of d in a layer with a sliding window of `window` (0: none): 0
  * vectors, 1 scores on AMX, 2 scores and values on AMX. */
 static inline int amx_mode(int isa, int64_t d, int64_t window) {
-  if (!(isa & ISA_AMX_SCORES) || d % 32) return 0;
+  if (!(isa & ISA_AMX_SCORES) || d % (isa & ISA_KV8 ? 64 : 32)) return 0; /* 8-bit: 64 int8 a tile row */
   return isa & ISA_AMX_VALUES && !window ? 2 : 1;
 }
 #define AMX_QUERIES 16 /* the most queries one AMX part serves (a tile's columns) */
-#define AMX_WORK(padded, d) (3584 + 16 * (d) + 8 * ((padded) + 32)) /* its scratch besides the scores, floats */
+#define AMX_WORK(padded, d) (3584 + 40 * (d) + 9 * ((padded) + 32)) /* its scratch besides the scores, floats */
 int q4_amx_attention(void);
 void q4_amx_begin(void);
 void q4_amx_end(void);
-void q4_part_amx(int amx, int64_t n, int64_t d, const uint16_t *const *q, float scale, const uint16_t *k,
-                 const uint16_t *v, int64_t from, int64_t to, int64_t open, const uint16_t *const *mask, float *scores,
-                 float *scratch, float *top, float *total, float *acc);
+void q4_widen_values(const int8_t *rows, int64_t d, int64_t count, uint16_t *out, float *units);
+void q4_part_amx(int amx, int kv8, int64_t n, int64_t d, const uint16_t *const *q, float scale, const void *k,
+                 const void *v, const uint16_t *wide, const float *wide_units, int64_t from, int64_t to,
+                 int64_t open, const uint16_t *const *mask, float *scores, float *scratch, float *top, float *total,
+                 float *acc);
 
 /* step.c's vector e^x for x <= 0, in place (count a multiple of 16, or of 8 for the AVX2 one). */
 void exps512(int64_t count, float *x);
@@ -167,7 +200,7 @@ void exps256(int64_t count, float *x);
 /* step.c's attention of t rows (mask rows ldm apart; keys before `open` seen by every row) and
  * the first key some row does not see. */
 int q4_attend(int isa, int amx, int threads, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, int64_t length,
-              int64_t first, const uint16_t *q, int64_t ldq, const uint16_t *k, const uint16_t *v, int64_t capacity,
+              int64_t first, const uint16_t *q, int64_t ldq, const void *k, const void *v, int64_t capacity,
               const uint16_t *mask, int64_t ldm, int64_t open, float scale, uint16_t *out);
 int64_t q4_first_hidden(const uint16_t *mask, int64_t t, int64_t length, int64_t ldm);
 void q4_rmsnorm(int isa, int64_t rows, int64_t n, const uint16_t *x, int64_t ldx, const void *w, int wide, float eps,

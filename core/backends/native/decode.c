@@ -106,30 +106,38 @@ static void head_norms(const q4_model *model, int isa, int64_t t, int64_t ldx, u
 }
 
 /* Layer `layer`'s attention: norms and rotation of q and k, the cache writes, attention → a. */
-static int attend(const q4_model *model, const q4_block *b, int isa, int amx, int threads, int64_t t, uint16_t *qkv,
-                  const uint16_t *cos, const uint16_t *sin, const int64_t *positions, int64_t past,
-                  const uint16_t *mask, int64_t open, uint16_t *kl, uint16_t *vl, int64_t capacity, uint16_t *room,
+static int attend(const q4_model *model, const q4_block *b, int isa, int kv8, int amx, int threads, int64_t t,
+                  uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, const int64_t *positions, int64_t past,
+                  const uint16_t *mask, int64_t open, char *kl, char *vl, int64_t capacity, uint16_t *room,
                   uint16_t *a) {
   int64_t d = model->head_dim, heads = model->heads, kv = model->kv_heads, q = heads * d, width = q + 2 * kv * d;
   int64_t length = past + t;
+  size_t row_bytes = kv8 ? (size_t)KV8_ROW(d) : sizeof(uint16_t) * (size_t)d;
   if (b->q_norm) head_norms(model, isa, t, width, qkv, heads, b->q_norm);
   if (b->k_norm) head_norms(model, isa, t, width, qkv + q, kv, b->k_norm);
   for (int64_t r = 0; r < t; r++) {
     uint16_t *row = qkv + r * width;
     (isa == 2 ? e512_rope : e256_rope)(heads + kv, d, row, cos + r * d, sin + r * d);
     for (int64_t g = 0; g < kv; g++) {
-      memcpy(kl + (g * capacity + past + r) * d, row + q + g * d, sizeof(uint16_t) * (size_t)d);
-      memcpy(vl + (g * capacity + past + r) * d, row + q + (kv + g) * d, sizeof(uint16_t) * (size_t)d);
+      size_t at = (size_t)(g * capacity + past + r) * row_bytes; /* its cache rows */
+      char *kr = kl + at, *vr = vl + at;
+      if (kv8) {
+        q4_kv8_store(row + q + g * d, d, (int8_t *)kr);
+        q4_kv8_store(row + q + (kv + g) * d, d, (int8_t *)vr);
+      } else {
+        memcpy(kr, row + q + g * d, row_bytes);
+        memcpy(vr, row + q + (kv + g) * d, row_bytes);
+      }
     }
   }
   if (!b->window)
-    return q4_attend(isa, amx, threads, t, heads, kv, d, length, 0, qkv, width, kl, vl, capacity, mask, length, open,
-                     model->scale, a);
+    return q4_attend(isa | kv8, amx, threads, t, heads, kv, d, length, 0, qkv, width, kl, vl, capacity, mask, length,
+                     open, model->scale, a);
   int64_t lo;
   const uint16_t *seen = window_mask(t, past, length, positions, mask, b->window, &lo, room);
   int64_t part = length - lo;
-  return q4_attend(isa, amx, threads, t, heads, kv, d, part, lo, qkv, width, kl + lo * d, vl + lo * d, capacity, seen,
-                   part, q4_first_hidden(seen, t, part, part), model->scale, a);
+  return q4_attend(isa | kv8, amx, threads, t, heads, kv, d, part, lo, qkv, width, kl + lo * row_bytes,
+                   vl + lo * row_bytes, capacity, seen, part, q4_first_hidden(seen, t, part, part), model->scale, a);
 }
 
 /* The stream x (t rows) after `done` layers into its column of streams (t × count × hidden) where
@@ -151,12 +159,13 @@ static void tap(int64_t done, int64_t t, int64_t hidden, const uint16_t *x, cons
  * goes to streams (t × count × hidden: the row's streams side by side). Returns 0, or -1 when
  * scratch memory could not be had. */
 int q4_decode(const q4_model *model, int isa, int threads, int64_t t, uint16_t *x, const uint16_t *cos,
-              const uint16_t *sin, const int64_t *positions, int64_t past, const uint16_t *mask, uint16_t *keys,
-              uint16_t *values, int64_t capacity, const int64_t *taps, int64_t count, uint16_t *streams) {
+              const uint16_t *sin, const int64_t *positions, int64_t past, const uint16_t *mask, void *keys,
+              void *values, int64_t capacity, const int64_t *taps, int64_t count, uint16_t *streams) {
   int64_t hidden = model->hidden, d = model->head_dim, heads = model->heads, kv = model->kv_heads;
   int64_t q = heads * d, width = q + 2 * kv * d, inner = model->inner, length = past + t;
-  int flags = isa; /* attention on AMX (attend_amx.c): amx_mode, layer by layer */
+  int flags = isa, kv8 = isa & ISA_KV8; /* attention on AMX (attend_amx.c): amx_mode, layer by layer */
   isa &= ISA_VARIANT;
+  size_t row_bytes = kv8 ? (size_t)KV8_ROW(d) : sizeof(uint16_t) * (size_t)d; /* a cache row's */
   if (d > 512 || d % 16) return -2;
   size_t scratch = (size_t)(t * (hidden + width + q + hidden + 2 * inner + inner) + t * length);
   uint16_t *h = malloc(sizeof(uint16_t) * scratch);
@@ -173,12 +182,13 @@ int q4_decode(const q4_model *model, int isa, int threads, int64_t t, uint16_t *
   tap(0, t, hidden, x, taps, count, streams);
   for (int64_t layer = 0; layer < model->layers && !code; layer++) {
     const q4_block *b = model->blocks + layer;
-    uint16_t *kl = keys + layer * kv * capacity * d, *vl = values + layer * kv * capacity * d;
+    char *kl = (char *)keys + (size_t)(layer * kv * capacity) * row_bytes;
+    char *vl = (char *)values + (size_t)(layer * kv * capacity) * row_bytes;
     const uint16_t *c = cos + b->rope * t * d, *s = sin + b->rope * t * d;
     q4_rmsnorm(isa, t, hidden, x, hidden, b->norm1, wide, model->eps, h);
     code |= q4_run(b->qkv, isa, threads, t, h, hidden, qkv);
-    code |= attend(model, b, isa, amx_mode(flags, d, b->window), threads, t, qkv, c, s, positions, past, mask, open,
-                   kl, vl, capacity, room, a);
+    code |= attend(model, b, isa, kv8, amx_mode(flags, d, b->window), threads, t, qkv, c, s, positions, past, mask,
+                   open, kl, vl, capacity, room, a);
     code |= q4_run(b->o, isa, threads, t, a, q, o);
     if (b->post_attn) q4_rmsnorm(isa, t, hidden, o, hidden, b->post_attn, wide, model->eps, o);
     (isa == 2 ? e512_add : e256_add)(t * hidden, x, o);
