@@ -39,7 +39,7 @@ void q4_part_amx(int amx, int kv8, int64_t n, int64_t d, const uint16_t *const *
 
 #define TAMXB __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-bf16,amx-int8")))
 #define KEYS16 16 /* keys a tile's rows hold */
-#define AHEAD 32  /* keys ahead whose keys the scores prefetch */
+#define AHEAD 32  /* keys ahead whose keys (and values, to L2) the scores prefetch */
 
 /* 0 where this build has the AMX-BF16 kernel (the CPU's and Linux's say: stepops.py). */
 int q4_amx_attention(void) { return 0; }
@@ -82,11 +82,13 @@ TAMXB static inline void transpose16(__m512 r[16]) {
 }
 
 /* s (n rows of `padded`): the scores of queries q[0, n) (bf16 rows) against the keys k[0, length)
- * (d apart), times `scale`; rows' entries from `length` on are 0 (WEIGHTED hides them). Scratch:
- * tile (256 floats), qt (8·d: the queries as tile B, d / 32 tiles), tail (16·d bf16: the last
- * keys, zero-padded, so that no tile reads past the cache's `length`). */
+ * (d apart; the values v beside them, or NULL, prefetched to L2 as the keys go by), times
+ * `scale`; rows' entries from `length` on are 0 (WEIGHTED hides them). Scratch: tile (256
+ * floats), qt (8·d: the queries as tile B, d / 32 tiles), tail (16·d bf16: the last keys,
+ * zero-padded, so that no tile reads past the cache's `length`). */
 TAMXB static void scores_amx(int64_t n, int64_t d, const uint16_t *const *q, float scale, const uint16_t *k,
-                             int64_t length, int64_t padded, float *tile, uint32_t *qt, uint16_t *tail, float *s) {
+                             const uint16_t *v, int64_t length, int64_t padded, float *tile, uint32_t *qt,
+                             uint16_t *tail, float *s) {
   int64_t chunks = d / 32;
   memset(qt, 0, sizeof(uint32_t) * (size_t)(8 * d));
   for (int64_t m = 0; m < n; m++) /* B row p of chunk c: dims 32c + 2p, 2p + 1 of each query (pair 16c + p) */
@@ -100,8 +102,10 @@ TAMXB static void scores_amx(int64_t n, int64_t d, const uint16_t *const *q, flo
       memcpy(tail, rows, sizeof(uint16_t) * (size_t)((length - j0) * d));
       rows = tail;
     }
-    for (int64_t b = 0; j0 + AHEAD + KEYS16 <= length && b < KEYS16 * d * 2; b += 64) /* the cache's keys ahead */
+    for (int64_t b = 0; j0 + AHEAD + KEYS16 <= length && b < KEYS16 * d * 2; b += 64) { /* keys and values ahead */
       _mm_prefetch((const char *)(k + (j0 + AHEAD) * d) + b, _MM_HINT_T0);
+      if (v) _mm_prefetch((const char *)(v + (j0 + AHEAD) * d) + b, _MM_HINT_T1);
+    }
     _tile_zero(0);
     for (int64_t c = 0; c < chunks; c++) {
       _tile_loadd(1, rows + 32 * c, d * (int64_t)sizeof(uint16_t));
@@ -127,10 +131,11 @@ TAMXB static void scores_amx(int64_t n, int64_t d, const uint16_t *const *q, flo
  * own scale (its largest magnitude / 127), so one `tdpbssd` makes 16 keys' exact integer dot
  * products with 16 queries (tile A: 16 keys' int8 rows as they lie in the cache, 64 dims; tile B:
  * the queries' dims in fours side by side); a score is then that integer × the key's scale × the
- * query's scale × `scale`, in that order. Scratch as scores_amx's, the queries' scales in qs. */
+ * query's scale × `scale`, in that order. Scratch as scores_amx's, the queries' scales in qs; v as
+ * scores_amx's. */
 TAMXB static void scores_amx8(int64_t n, int64_t d, const uint16_t *const *q, float scale, const int8_t *k,
-                              int64_t length, int64_t padded, float *tile, int8_t *qt, int8_t *tail, float *qs,
-                              float *s) {
+                              const int8_t *v, int64_t length, int64_t padded, float *tile, int8_t *qt, int8_t *tail,
+                              float *qs, float *s) {
   int64_t chunks = d / 64, row = KV8_ROW(d);
   memset(qt, 0, (size_t)(1024 * chunks));
   for (int64_t m = 0; m < n; m++) { /* B row p of chunk c: dims 64c + 4p .. 4p + 3 of each query (4 bytes a query) */
@@ -153,8 +158,10 @@ TAMXB static void scores_amx8(int64_t n, int64_t d, const uint16_t *const *q, fl
       memcpy(tail, rows, (size_t)((length - j0) * row));
       rows = tail;
     }
-    for (int64_t b = 0; j0 + AHEAD + KEYS16 <= length && b < KEYS16 * row; b += 64) /* the cache's keys ahead */
+    for (int64_t b = 0; j0 + AHEAD + KEYS16 <= length && b < KEYS16 * row; b += 64) { /* the keys and values ahead */
       _mm_prefetch((const char *)(k + (j0 + AHEAD) * row) + b, _MM_HINT_T0);
+      if (v) _mm_prefetch((const char *)(v + (j0 + AHEAD) * row) + b, _MM_HINT_T1);
+    }
     _tile_zero(0);
     for (int64_t c = 0; c < chunks; c++) {
       _tile_loadd(1, rows + 64 * c, row);
@@ -364,11 +371,13 @@ TAMXB void q4_part_amx(int amx, int kv8, int64_t n, int64_t d, const uint16_t *c
   uint32_t *qt = (uint32_t *)(scratch + 256);
   const char *kp = (const char *)k + from * bytes, *vp = (const char *)v + from * bytes;
   if (kv8) {
-    scores_amx8(n, d, q, scale, (const int8_t *)kp, length, padded, scratch, (int8_t *)qt, (int8_t *)(qt + 8 * d),
-                (float *)(qt + 24 * d), scores);
+    const int8_t *ahead = wide ? 0 : (const int8_t *)vp; /* values to prefetch with the keys (not yet widened) */
+    scores_amx8(n, d, q, scale, (const int8_t *)kp, ahead, length, padded, scratch, (int8_t *)qt,
+                (int8_t *)(qt + 8 * d), (float *)(qt + 24 * d), scores);
     weighted512_8(n, d, v, from, to, open, mask, scores, top, total, amx == 2 ? 0 : acc);
   } else {
-    scores_amx(n, d, q, scale, (const uint16_t *)kp, length, padded, scratch, qt, (uint16_t *)(qt + 8 * d), scores);
+    scores_amx(n, d, q, scale, (const uint16_t *)kp, (const uint16_t *)vp, length, padded, scratch, qt,
+               (uint16_t *)(qt + 8 * d), scores);
     weighted512(n, d, v, from, to, open, mask, scores, top, total, amx == 2 ? 0 : acc);
   }
   if (amx == 2) {
