@@ -187,9 +187,9 @@ def test_a_remembered_library_kernel_falls_back_when_the_library_is_unavailable(
     from core.measure import kernels
 
     record = tmp_path / "cpu-kernels.json"
-    key = kernels._key("64x128", "auto", "int4")
+    key = kernels.record_key("64x128", "auto", "int4")
     remembered = {"dtype": "bfloat16", "kernel": "q4", "head_kernel": "q8"}
-    draft_key = kernels._key(f"draft 4x64x{fast.padded_rows(96)}")
+    draft_key = kernels.record_key(f"draft 4x64x{fast.padded_rows(96)}")
     record.write_text(json.dumps({key: remembered, draft_key: ["bfloat16", "q4"]}))
     monkeypatch.setattr(q4, "library", lambda: None)  # no compiler here now, say
     monkeypatch.setattr(q4, "unavailable", lambda: "no C compiler was found")

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import torch
 
-from core.backends import lean, q4, stepops
-from core.backends.lean.kv import quantize8
+from core.backends import lean, q4
 from core.cpuinfo import cpu_flags
 from core.measure.clock import time_ms
 from core.measure.profile import machine
@@ -34,10 +33,6 @@ DRAFT_TIMED = 64 * 2**20  # at most this many bytes of float32 weight timed for 
 CLEAR_WIN = 1.1  # a remeasured kernel choice replaces the one measured before only when it is this much faster
 AMX_ROWS = (2, 4, 8, 12, 16, 32)  # the row counts timed for AMX (`amx_rows`)
 FLAVOR_REPEATS = 5  # timings by turns of a kernel flavor on and off (`amx_rows`, `avx_vnni`)
-AMX_KEYS = 2048  # keys of the attention timed for AMX (`amx_attention`)
-ONE_ROW_LOSS = 0.1  # the most a one-token step's attention may lose for AMX to be taken
-KV8_GAIN = 1.1  # 8-bit keys and values are taken where a one-token step's attention is this much faster
-KV_CONTEXT, KV_TIMED = 4096, 128 * 2**20  # the context whose keys and values (bf16, at most these bytes) are timed
 HEAD_REPEATS = 9  # interleaved timings of one and eight rows through the lm_head (their medians compared)
 WITHOUT_LIBRARY = "without the kernel library"  # the key suffix of a choice measured while the library was unavailable
 _LIBRARY_ID = re.compile(r"\|kernels [0-9a-f]+")  # the kernel library's build in a record's key (see `_key`)
@@ -67,7 +62,7 @@ def candidates(dtype: str | None, int4: bool) -> list[Choice]:
     return [Choice(d, k, k) for d in dtypes for k in ("onednn", "dense")]
 
 
-def _key(*what: str) -> str:
+def record_key(*what: str) -> str:
     """A record's key: the machine, what was measured, and the kernels it was measured among (new
     kernels, or a changed kernel library, are measured again)."""
     return "|".join((machine(torch.device("cpu")).key, *what, ",".join(lean.KERNELS), f"kernels {q4.source_id()}"))
@@ -77,7 +72,7 @@ def choose(hidden: int, inner: int, dtype: str | None, int4: bool, record: Path)
     """The fastest working candidate; measured once per machine, shape and request. Where the
     kernel library that some candidates need cannot be had now (no compiler, say), the choice
     among the others is measured and remembered apart: the library's return restores the first."""
-    key = _key(f"{hidden}x{inner}", dtype or "auto", "int4" if int4 else "full")
+    key = record_key(f"{hidden}x{inner}", dtype or "auto", "int4" if int4 else "full")
     if any(_unavailable(c.kernel, c.head_kernel) for c in candidates(dtype, int4)):
         key = f"{key}|{WITHOUT_LIBRARY}"
     known = _read(record)
@@ -111,16 +106,16 @@ def head_by_row(head: lean.PackedLinear, record: Path) -> bool:
     kernel (interleaved, the median of `HEAD_REPEATS`), and remembered, so every launch of a
     model makes the same choice; a new measurement (a changed kernel library) turns an earlier
     choice over only when the ratio is clearly on the other side of 2."""
-    key = _key(f"lm_head by row {head.out_features}x{head.in_features}", head.kernel)
+    key = record_key(f"lm_head by row {head.out_features}x{head.in_features}", head.kernel)
 
     def decide(earlier: bool | None) -> bool:
         ratio = _head_ratio(head)
         return earlier if earlier is not None and abs(ratio / 2 - 1) < CLEAR_WIN - 1 else ratio > 2
 
-    return _remembered(record, key, bool, decide)
+    return recall(record, key, bool, decide)
 
 
-def _remembered(record: Path, key: str, kind: type, decide):
+def recall(record: Path, key: str, kind: type, decide):
     """The value of type `kind` remembered in `record` under `key`; else `decide(earlier)` (which
     measures; `earlier`: the value measured with another build of the kernel library, or None),
     written there and returned."""
@@ -164,7 +159,7 @@ def amx_rows(hidden: int, inner: int, record: Path) -> int:
         winning = [rows for rows in AMX_ROWS if all(ratios[r] > 1 for r in AMX_ROWS if r >= rows)]
         return winning[0] if winning else 0
 
-    return _remembered(record, _key(f"amx rows {hidden}x{inner}"), int, decide)
+    return recall(record, record_key(f"amx rows {hidden}x{inner}"), int, decide)
 
 
 def _amx_ratios(hidden: int, inner: int) -> dict[int, float]:
@@ -184,93 +179,13 @@ def avx_vnni(hidden: int, inner: int, record: Path) -> bool:
         ratio = _avx_vnni_ratio(hidden, inner)  # AVX2's time over AVX-VNNI's
         return earlier if earlier is not None and abs(ratio - 1) < CLEAR_WIN - 1 else ratio > 1
 
-    return _remembered(record, _key(f"avx-vnni {hidden}x{inner}"), bool, decide)
+    return recall(record, record_key(f"avx-vnni {hidden}x{inner}"), bool, decide)
 
 
 def _avx_vnni_ratio(hidden: int, inner: int) -> float:
     """AVX2's median time over AVX-VNNI's for one and eight rows, added up."""
     ratios = _by_turns(hidden, inner, ROWS, lambda on, layers: q4.use_avx_vnni(on))
     return sum(ratios.values()) / len(ratios)
-
-
-def amx_attention(heads: int, kv_heads: int, head_dim: int, record: Path) -> bool:
-    """Whether attention runs on AMX here (`stepops.use_amx_attention`; its last bits differ from the
-    vector kernel's, so the choice holds for a model's session): whether a one-token
-    step's and a 16-row block's attention over `AMX_KEYS` keys take less time so, timed by turns
-    on this model's heads, and a one-token step loses no more than `ONE_ROW_LOSS` (what decoding
-    runs most). Measured once per machine, shape and kernel library, and remembered; a new
-    measurement turns an earlier choice over only when the ratio is clearly on the other side."""
-    if not stepops.amx_heads(head_dim) or not stepops.can_amx_attention():
-        return False
-
-    def decide(earlier: bool | None) -> bool:
-        ratio = _amx_attention_ratio(heads, kv_heads, head_dim)  # the vector kernel's time over AMX's
-        return earlier if earlier is not None and abs(ratio - 1) < CLEAR_WIN - 1 else ratio > 1
-
-    return _remembered(record, _key(f"amx attention {heads}x{kv_heads}x{head_dim}"), bool, decide)
-
-
-def _amx_attention_ratio(heads: int, kv_heads: int, head_dim: int) -> float:
-    """The vector kernel's median time over AMX's for one row and for 16 rows, added up; or the
-    one-row ratio where AMX loses more than `ONE_ROW_LOSS` there."""
-    gen = torch.Generator().manual_seed(0)
-    keys, values = (torch.randn(kv_heads, AMX_KEYS + 16, head_dim, generator=gen).bfloat16() for _ in range(2))
-    lib = q4.library()
-    ops = {on: stepops.Ops(lib, amx_attention=on) for on in (False, True)}
-    ratios = []
-    for rows in (1, 16):
-        q = torch.randn(rows, heads, head_dim, generator=gen).bfloat16()
-        ratios.append(
-            _ratio_by_turns(
-                lambda on, q=q: time_ms(lambda: ops[on].attention(q, keys, values, AMX_KEYS, None), repeats=3)
-            )
-        )
-    return ratios[0] if ratios[0] < 1 - ONE_ROW_LOSS else sum(ratios) / len(ratios)
-
-
-def kv_bits(heads: int, kv_heads: int, head_dim: int, layers: int, record: Path) -> int:
-    """The bits of the keys and values a model's cache keeps here (`stepops.use_kv_bits`): 8 where
-    a one-token step's attention over the keys and values of `KV_CONTEXT` tokens in `layers`
-    layers (as many bytes, up to `KV_TIMED`) takes `KV8_GAIN` less time with them than in bf16 and
-    a 16-row block's loses no more than `ONE_ROW_LOSS`, timed by turns with the attention kernel
-    the model runs (chosen first: `amx_attention`); else 16. Measured once per machine, shape and
-    kernel, remembered."""
-    if not stepops.Ops.attends(head_dim) or q4.library() is None:
-        return 16
-    kernel = "amx" if stepops.Ops(q4.library()).amx_attention(head_dim) else "vectors"
-
-    def decide(earlier: int | None) -> int:
-        one, many = _kv8_ratios(heads, kv_heads, head_dim, layers)  # bf16's time over 8-bit's
-        if earlier is not None and abs(one - KV8_GAIN) < CLEAR_WIN - 1 and many >= 1 - ONE_ROW_LOSS:
-            return earlier
-        return 8 if one >= KV8_GAIN and many >= 1 - ONE_ROW_LOSS else 16
-
-    return _remembered(record, _key(f"kv bits {heads}x{kv_heads}x{head_dim}", kernel), int, decide)
-
-
-def _kv8_ratios(heads: int, kv_heads: int, head_dim: int, layers: int) -> tuple[float, float]:
-    """bf16 caches' median time over 8-bit ones' for one row's and 16 rows' attention over the
-    keys and values of `KV_CONTEXT` tokens in `layers` layers (at most `KV_TIMED` bytes in bf16),
-    in parts of `AMX_KEYS` keys: at the memory's speed, as a step at a long context."""
-    gen = torch.Generator().manual_seed(0)
-    part = 4 * kv_heads * AMX_KEYS * head_dim  # bytes of one part's keys and values in bf16
-    caches = {False: [], True: []}
-    for _ in range(max(2, min(layers * KV_CONTEXT // AMX_KEYS, KV_TIMED // part))):
-        keys, values = (torch.randn(kv_heads, AMX_KEYS, head_dim, generator=gen).bfloat16() for _ in range(2))
-        caches[False].append((keys, values))
-        caches[True].append((quantize8(keys), quantize8(values)))
-    ops = stepops.Ops(q4.library())
-    ratios = []
-    for rows in (1, 16):
-        q = torch.randn(rows, heads, head_dim, generator=gen).bfloat16()
-        ratios.append(
-            _ratio_by_turns(
-                lambda on, q=q: time_ms(
-                    lambda: [ops.attention(q, k, v, AMX_KEYS, None) for k, v in caches[on]], repeats=3
-                )
-            )
-        )
-    return ratios[0], ratios[1]
 
 
 def _by_turns(hidden: int, inner: int, counts: tuple[int, ...], switch) -> dict[int, float]:
@@ -293,12 +208,12 @@ def _by_turns(hidden: int, inner: int, counts: tuple[int, ...], switch) -> dict[
                 switch(on, layers)
                 return time_ms(lambda: [layer(x[layer.k]) for layer in layers], repeats=1)
 
-            ratios[rows] = _ratio_by_turns(timed)
+            ratios[rows] = ratio_by_turns(timed)
     switch(False, layers)
     return ratios
 
 
-def _ratio_by_turns(timed) -> float:
+def ratio_by_turns(timed) -> float:
     """The median of `timed(False)` (ms) over that of `timed(True)`, the two called by turns,
     `FLAVOR_REPEATS` times each."""
     times: dict[bool, list[float]] = {False: [], True: []}
@@ -344,7 +259,7 @@ def drafting(out: int, inp: int, rows: int, record: Path) -> tuple[str, str]:
     the verify forward). Measured once per machine and shape, remembered in `record`; a new
     measurement (a changed kernel library) replaces the earlier choice only when it wins clearly."""
     out = lean.padded_rows(out)  # as the heads pack it: a kernel that needs whole tiles is timed, not replaced
-    key = _key(f"draft {rows}x{inp}x{out}")
+    key = record_key(f"draft {rows}x{inp}x{out}")
     known = _read(record)
     remembered = _remembered_draft(known, key)
     if remembered is not None and _unavailable(remembered[1]):  # as in `choose`
