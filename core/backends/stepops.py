@@ -86,8 +86,8 @@ def amx_heads(head_dim: int) -> bool:
 
 def can_amx_attention() -> bool:
     """Whether attention may run on AMX here (attend_amx.c): the many-row passes may (`q4.amx`)
-    and the CPU has AMX's bf16 products."""
-    return "amx_bf16" in cpu_flags() and amx() and library().q4_amx_attention() == 0
+    and the CPU has AMX's bf16 products and AVX-512's bf16 conversions."""
+    return {"amx_bf16", "avx512_bf16"} <= cpu_flags() and amx() and library().q4_amx_attention() == 0
 
 
 def use_amx_attention(on: bool) -> None:

@@ -24,7 +24,7 @@
 int q4_amx_attention(void) { return -1; }
 void q4_amx_begin(void) {}
 void q4_amx_end(void) {}
-void q4_widen_values(const int8_t *rows, int64_t d, int64_t count, uint16_t *out, float *units) {
+void q4_pair_values(const int8_t *rows, int64_t d, int64_t count, uint16_t *out, float *units) {
   (void)rows, (void)d, (void)count, (void)out, (void)units;
 }
 void q4_part_amx(int amx, int kv8, int64_t n, int64_t d, const uint16_t *const *q, float scale, const void *k,
@@ -37,7 +37,8 @@ void q4_part_amx(int amx, int kv8, int64_t n, int64_t d, const uint16_t *const *
 }
 #else
 
-#define TAMXB __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-bf16,amx-int8")))
+#define TAMXB                                                                                                        \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,amx-tile,amx-bf16,amx-int8")))
 #define KEYS16 16 /* keys a tile's rows hold */
 #define AHEAD 32  /* keys ahead whose keys (and values, to L2) the scores prefetch */
 
@@ -204,36 +205,60 @@ TAMXB static void pairs_of(const uint16_t *const *rows, int64_t c, int tiles, ui
     }
 }
 
-/* Dims [c0, c1) of an 8-bit row's integers as bf16 (exact: bf16 holds every int8; the row's
- * scale is left to the weights), 16 at a time. */
-TAMXB static inline void widen8(const int8_t *x, int64_t c0, int64_t c1, uint16_t *out) {
-  for (int64_t i = c0; i < c1; i += 16) {
-    __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(LOAD_I8512(x + i)), 16);
-    _mm256_storeu_si256((__m256i *)(out + i), _mm512_cvtepi32_epi16(bits));
+/* B tiles (`tiles` of 16 dims from dim c) of 32 keys' 8-bit values widened to bf16 (exact: bf16
+ * holds every int8; a row's scale is left to the weights): row p holds keys 2p and 2p + 1 side by
+ * side, dim by dim, the dims in order. rows[j]: key j's 8-bit row, or NULL (zeros). out: tiles ×
+ * 16 × 32 bf16. */
+TAMXB static void pairs8(const int8_t *const *rows, int64_t c, int tiles, uint16_t *out) {
+  static const uint16_t order[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i mix = _mm512_loadu_si512(order); /* x's dim i, then y's, dim by dim */
+  for (int p = 0; p < 16; p++) {
+    const int8_t *a = rows[2 * p], *b = rows[2 * p + 1];
+    for (int t = 0; t < tiles; t++) {
+      __m512 x = a ? LOAD_I8512(a + c + 16 * t) : _mm512_setzero_ps();
+      __m512 y = b ? LOAD_I8512(b + c + 16 * t) : _mm512_setzero_ps();
+      __m512i both = (__m512i)_mm512_cvtne2ps_pbh(y, x); /* x's 16 then y's */
+      _mm512_storeu_si512(out + (t * 16 + p) * 32, _mm512_permutexvar_epi16(mix, both));
+    }
   }
 }
 
-/* Rows [0, count) of 8-bit values (KV8_ROW apart) widened (widen8) to rows of d, their scales to
- * `units`: what the query blocks of a many-row pass share (step.c), so each widens none. */
-TAMXB void q4_widen_values(const int8_t *rows, int64_t d, int64_t count, uint16_t *out, float *units) {
-  for (int64_t j = 0; j < count; j++) {
-    widen8(rows + j * KV8_ROW(d), 0, d, out + j * d);
-    units[j] = kv8_scale(rows + j * KV8_ROW(d), d);
+/* Rows [0, count) of 8-bit values (KV8_ROW apart) as pairs8's B tiles of every dim, 32 keys a
+ * block (d · 32 bf16 a block; a last one filled with zeros), their scales to `units`: what the
+ * query blocks of a many-row pass share (step.c), so that each makes none. */
+TAMXB void q4_pair_values(const int8_t *rows, int64_t d, int64_t count, uint16_t *out, float *units) {
+  for (int64_t kb = 0; kb < count; kb += 32) {
+    const int8_t *r[32];
+    for (int64_t j = 0; j < 32; j++) r[j] = kb + j < count ? rows + (kb + j) * KV8_ROW(d) : 0;
+    pairs8(r, 0, (int)(d / 16), out + kb * d);
   }
+  for (int64_t j = 0; j < count; j++) units[j] = kv8_scale(rows + j * KV8_ROW(d), d);
 }
 
-/* Key `key`'s values from dim c (16·tiles of them) as bf16: the cache's row; with kv8 the
- * part's widened rows (`wide`, NULL: this row widened into `out` now). */
-TAMXB static inline const uint16_t *value_row(const char *v, int kv8, const uint16_t *wide, int64_t d, int64_t key,
-                                              int64_t c, int tiles, uint16_t *out) {
-  if (!kv8) return (const uint16_t *)v + key * d;
-  if (wide) return wide + key * d;
-  widen8((const int8_t *)v + key * KV8_ROW(d), c, c + 16 * tiles, out);
+/* The B tiles of keys[0, 32) (-1: none; relative to v) for dims [c, c + 16·tiles): pairs_of's of
+ * bf16 rows, or pairs8's of 8-bit ones (dims in order), made into `out`. */
+TAMXB static const uint16_t *b_tiles(const char *v, int kv8, int64_t d, const int64_t *keys, int64_t c, int tiles,
+                                     uint16_t *out) {
+  if (kv8) {
+    const int8_t *rows[32];
+    for (int j = 0; j < 32; j++) rows[j] = keys[j] >= 0 ? (const int8_t *)v + keys[j] * KV8_ROW(d) : 0;
+    pairs8(rows, c, tiles, out);
+  } else {
+    const uint16_t *rows[32];
+    for (int j = 0; j < 32; j++) rows[j] = keys[j] >= 0 ? (const uint16_t *)v + keys[j] * d : 0;
+    pairs_of(rows, c, tiles, out);
+  }
   return out;
 }
 
-/* A query's sums (the tiles' columns in pairs_of's order) → dims in order. */
-static void in_order(const float *sums, int tiles, float *out) {
+/* A query's sums (the tiles' columns in pairs_of's order, or with kv8 pairs8's: in order) → dims in
+ * order. */
+static void in_order(const float *sums, int tiles, int kv8, float *out) {
+  if (kv8) {
+    memcpy(out, sums, sizeof(float) * 16 * (size_t)tiles);
+    return;
+  }
   for (int t = 0; t < tiles; t++)
     for (int n = 0; n < 16; n++) out[16 * (t & ~1) + 8 * (n / 4) + 4 * (t & 1) + n % 4] = sums[16 * t + n];
 }
@@ -300,7 +325,6 @@ TAMXB static void values_amx(int64_t n, int64_t d, const char *v, int kv8, const
   int64_t p32 = (length + 31) / 32 * 32, shared = open / 32 * 32, bytes = kv8 ? KV8_ROW(d) : 2 * d;
   uint16_t *pb = (uint16_t *)scratch, *pairs = pb + 16 * p32, *row = pairs + 4 * 512;
   float *cs = (float *)(row + 16 * 32), *units = cs + 17 * 64; /* units: the keys' value scales (8-bit) */
-  uint16_t *widened = (uint16_t *)(units + p32);                  /* 32 keys' 8-bit values widened */
   int own[AMX_QUERIES] = {0};
   memset(pb, 0, sizeof(uint16_t) * (size_t)(n * p32)); /* rows from n on: any values (their sums are not read) */
   memset(row, 0, sizeof(uint16_t) * 16 * 32);
@@ -313,7 +337,7 @@ TAMXB static void values_amx(int64_t n, int64_t d, const char *v, int kv8, const
       store_bf512(pb + m * p32 + j, round_bf512(kv8 ? _mm512_mul_ps(w, _mm512_loadu_ps(units + j)) : w));
     }
   }
-  const uint16_t *rows[32];
+  int64_t keys[32];
   for (int64_t c = 0; c < d; c += 64) {
     int tiles = d - c >= 64 ? 4 : 2;
     _tile_zero(0);
@@ -321,12 +345,11 @@ TAMXB static void values_amx(int64_t n, int64_t d, const char *v, int kv8, const
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t kb = 0; kb < p32; kb += 32) {
-      for (int64_t b = 0; c == 0 && kb + 64 <= length && b < 32 * bytes; b += 64) /* the values ahead */
+      for (int64_t b = 0; c == 0 && !wide && kb + 64 <= length && b < 32 * bytes; b += 64) /* the values ahead */
         _mm_prefetch(v + (kb + 32) * bytes + b, _MM_HINT_T0);
-      for (int j = 0; j < 32; j++)
-        rows[j] = kb + j < length ? value_row(v, kv8, wide, d, kb + j, c, tiles, widened + j * d) : 0;
-      pairs_of(rows, c, tiles, pairs);
-      product(tiles, pb + kb, p32 * (int64_t)sizeof(uint16_t), pairs);
+      for (int j = 0; j < 32; j++) keys[j] = kb + j < length ? kb + j : -1;
+      const uint16_t *b = wide ? wide + kb * d + c * 32 : b_tiles(v, kv8, d, keys, c, tiles, pairs);
+      product(tiles, pb + kb, p32 * (int64_t)sizeof(uint16_t), b);
     }
     sums_to(tiles, cs, 256);
     for (int64_t m = 0; m < n; m++) {
@@ -341,17 +364,16 @@ TAMXB static void values_amx(int64_t n, int64_t d, const char *v, int kv8, const
               while (next < length && (mask[m][from + next] & 0x7fff) != 0) next++;
               key = next < length ? next++ : -1;
             }
-            rows[j] = key >= 0 ? value_row(v, kv8, wide, d, key, c, tiles, widened + j * d) : 0;
+            keys[j] = key;
             float w = key >= 0 ? p[m * padded + key] * units[key] : 0.0f; /* as the shared products' */
             row[j] = key >= 0 ? float_to_bf16(kv8 ? w : p[m * padded + key]) : 0; /* round_bf512's rounding */
           }
-          pairs_of(rows, c, tiles, pairs);
-          product(tiles, row, 64, pairs);
+          product(tiles, row, 64, b_tiles(v, kv8, d, keys, c, tiles, pairs));
         }
         sums_to(tiles, cs + 16 * 64, 256);
-        in_order(cs + 16 * 64, tiles, acc + m * d + c);
+        in_order(cs + 16 * 64, tiles, kv8, acc + m * d + c);
       } else {
-        in_order(cs + m * 64, tiles, acc + m * d + c);
+        in_order(cs + m * 64, tiles, kv8, acc + m * d + c);
       }
     }
   }

@@ -95,11 +95,12 @@ int q4_attend(int isa, int amx, int threads, int64_t t, int64_t heads, int64_t k
   int64_t size = (queries + per - 1) / per, blocks = (queries + size - 1) / size;
   int64_t stride = RESULT(size, d), span = parts == 1 ? length : SPLIT; /* a part's results; its most keys */
   float *results = malloc(sizeof(float) * (size_t)(kv_heads * blocks * parts * stride));
-  /* 8-bit values on AMX for several blocks a kv head: widened once here for all of them */
-  size_t widened = (size_t)(kv_heads * length) * (sizeof(uint16_t) * (size_t)d + sizeof(float)); /* rows, scales */
-  uint16_t *wide = kv8 && amx == 2 && blocks > 1 ? malloc(widened) : 0;
-  float *units = wide ? (float *)(wide + kv_heads * length * d) : 0;
-  if (!results || (kv8 && amx == 2 && blocks > 1 && !wide)) {
+  /* 8-bit values on AMX for several blocks a kv head: made into B tiles once here for all of them */
+  int64_t w32 = (length + 31) / 32 * 32; /* a kv head's rows there */
+  size_t widened = (size_t)(kv_heads * w32) * (sizeof(uint16_t) * (size_t)d + sizeof(float)); /* tiles, scales */
+  uint16_t *wide = kv8 && amx == 2 && blocks > 1 && first == 0 ? malloc(widened) : 0;
+  float *units = wide ? (float *)(wide + kv_heads * w32 * d) : 0;
+  if (!results || (kv8 && amx == 2 && blocks > 1 && first == 0 && !wide)) {
     free(results);
     free(wide);
     return -1;
@@ -117,8 +118,8 @@ int q4_attend(int isa, int amx, int threads, int64_t t, int64_t heads, int64_t k
 #pragma omp for schedule(static) collapse(2)
       for (int64_t g = 0; g < kv_heads; g++)
         for (int64_t j = 0; j < length; j += 256)
-          q4_widen_values((const int8_t *)v + (size_t)(g * capacity + j) * row, d, length - j < 256 ? length - j : 256,
-                          wide + (g * length + j) * d, units + g * length + j);
+          q4_pair_values((const int8_t *)v + (size_t)(g * capacity + j) * row, d, length - j < 256 ? length - j : 256,
+                         wide + (g * w32 + j) * d, units + g * w32 + j);
     }
     if (amx) q4_amx_begin();
 #pragma omp for schedule(dynamic) collapse(3)
@@ -134,8 +135,8 @@ int q4_attend(int isa, int amx, int threads, int64_t t, int64_t heads, int64_t k
           const char *kg = (const char *)k + (size_t)(g * capacity) * row;
           const char *vg = (const char *)v + (size_t)(g * capacity) * row;
           if (amx) {
-            const uint16_t *wg = wide ? wide + g * length * d : 0; /* its values widened, if they are */
-            const float *ug = wide ? units + g * length : 0;
+            const uint16_t *wg = wide ? wide + g * w32 * d : 0; /* its values' B tiles, if made */
+            const float *ug = wide ? units + g * w32 : 0;
             q4_part_amx(amx, kv8, kb.n, d, kb.q, scale, kg, vg, wg, ug, from, to, open, kb.mask, work, qf, res,
                         res + size, res + 2 * size);
             continue;
