@@ -22,7 +22,7 @@ from core.backends.torch import TorchBackend
 from core.drafters.eagle import EagleDraft, load_draft
 from core.drafters.retrieval import Corpus, load_corpus
 from core.errors import UserError
-from core.measure import attention, costs, kernels
+from core.measure import costs, cpu_attention, kernels
 from models import catalog, direct, gguf_files, hub
 from models.choices import DTYPE_NAMES
 from models.cpu import transpose_linears
@@ -199,8 +199,8 @@ def cpu_choice(config: object | None, dtype: str | None, int4: bool) -> kernels.
         dim = getattr(config, "head_dim", None) or hidden // heads
         kv = getattr(config, "num_key_value_heads", None) or heads
         layers = getattr(config, "num_hidden_layers", 1)
-        stepops.use_amx_attention(attention.amx_attention(heads, kv, dim, layers, record))
-        stepops.use_kv_bits(attention.kv_bits(heads, kv, dim, layers, record) if int4 else 16)
+        stepops.use_amx_attention(cpu_attention.amx_attention(heads, kv, dim, layers, record))
+        stepops.use_kv_bits(cpu_attention.kv_bits(heads, kv, dim, layers, record) if int4 else 16)
     if int4:  # the 4-bit kernels' flavors first: the kernels are then timed as they will run
         q4.use_amx(kernels.amx_rows(hidden, inner, record))
         q4.use_avx_vnni(kernels.avx_vnni(hidden, inner, record))

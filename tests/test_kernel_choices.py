@@ -12,7 +12,7 @@ import torch
 from core.backends import lean as fast
 from core.backends import q4, stepops
 from core.drafters.policy import CostCurve
-from core.measure import attention, clock, kernels, profile
+from core.measure import clock, cpu_attention, kernels, profile
 from tests.helpers import library_builds, tiny_backend
 from tests.tiny_folder import save_tiny_model
 
@@ -224,8 +224,8 @@ def test_the_amx_row_count_is_measured_on_this_machine(tmp_path):
 FLAVORS = {
     "avx-vnni": (q4, "avx_vnni", "avx-vnni 64x128", kernels, "_avx_vnni_ratio", lambda r: kernels.avx_vnni(64, 128, r)),
     "amx attention": (
-        stepops, "can_amx_attention", "amx attention 9x3x64", attention, "_amx_ratio",
-        lambda r: attention.amx_attention(9, 3, 64, 30, r),
+        stepops, "can_amx_attention", "amx attention 9x3x64", cpu_attention, "_amx_ratio",
+        lambda r: cpu_attention.amx_attention(9, 3, 64, 30, r),
     ),
 }  # fmt: skip
 
@@ -257,13 +257,13 @@ def test_the_amx_attention_choice_is_measured_on_this_machine(tmp_path):
     """Where the CPU has AMX's bf16 products, both kernels are timed and the choice follows the
     ratio (a one-token step's loss bounded); a model loaded after it names it in its forward."""
     _library()
-    assert attention.amx_attention(8, 2, 48, 30, tmp_path / "odd.json") is False  # heads of 48: not on tiles
-    assert attention.amx_attention(1, 1, 1024, 30, tmp_path / "odd.json") is False  # beyond the attention kernel
+    assert cpu_attention.amx_attention(8, 2, 48, 30, tmp_path / "odd.json") is False  # heads of 48: not on tiles
+    assert cpu_attention.amx_attention(1, 1, 1024, 30, tmp_path / "odd.json") is False  # beyond the attention kernel
     if not stepops.can_amx_attention():
         pytest.skip("this CPU (or its Linux) does not give AMX's bf16 products")
-    ratio = attention._amx_ratio(9, 3, 64, 30)
+    ratio = cpu_attention._amx_ratio(9, 3, 64, 30)
     assert 0.2 < ratio < 5
-    chosen = attention.amx_attention(9, 3, 64, 30, tmp_path / "record.json")
+    chosen = cpu_attention.amx_attention(9, 3, 64, 30, tmp_path / "record.json")
     assert chosen is (ratio > 1) or abs(ratio - 1) < kernels.CLEAR_WIN - 1
     try:
         stepops.use_amx_attention(True)
@@ -286,20 +286,20 @@ def test_the_kv_bits_are_remembered_and_turn_only_on_a_clear_gain(tmp_path, monk
     )  # fmt: skip
     for ratios, earlier, want in cases:
         record = _record(tmp_path, {} if earlier is None else {old_key: earlier})
-        monkeypatch.setattr(attention, "_kv8_ratios", lambda *shape, ratios=ratios: ratios)
-        assert attention.kv_bits(9, 3, 64, 30, record) == want, (ratios, earlier)
-        monkeypatch.setattr(attention, "_kv8_ratios", lambda *shape: pytest.fail("measured again"))
+        monkeypatch.setattr(cpu_attention, "_kv8_ratios", lambda *shape, ratios=ratios: ratios)
+        assert cpu_attention.kv_bits(9, 3, 64, 30, record) == want, (ratios, earlier)
+        monkeypatch.setattr(cpu_attention, "_kv8_ratios", lambda *shape: pytest.fail("measured again"))
         for _launch in range(4):
-            assert attention.kv_bits(9, 3, 64, 30, record) == want
-    assert attention.kv_bits(4, 4, 40, 30, tmp_path / "odd.json") == 16  # heads the attention kernel does not take
+            assert cpu_attention.kv_bits(9, 3, 64, 30, record) == want
+    assert cpu_attention.kv_bits(4, 4, 40, 30, tmp_path / "odd.json") == 16  # heads the attention kernel does not take
 
 
 def test_the_kv_bits_are_measured_on_this_machine(tmp_path):
     """Both caches timed at the memory's speed with the chosen attention kernel; a model loaded
     after the choice keeps its keys and values so and names it in its forward."""
     _library()
-    one, many = attention._kv8_ratios(9, 3, 64, 30)
+    one, many = cpu_attention._kv8_ratios(9, 3, 64, 30)
     assert 0.2 < one < 5 and 0.2 < many < 5
-    bits = attention.kv_bits(9, 3, 64, 30, tmp_path / "record.json")
+    bits = cpu_attention.kv_bits(9, 3, 64, 30, tmp_path / "record.json")
     assert bits in (8, 16)
-    assert bits == 8 or one < attention.KV8_GAIN + kernels.CLEAR_WIN - 1 or one + many <= 2
+    assert bits == 8 or one < cpu_attention.KV8_GAIN + kernels.CLEAR_WIN - 1 or one + many <= 2

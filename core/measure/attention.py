@@ -1,108 +1,59 @@
-"""How a model's steps attend on this CPU, measured here and remembered (in `kernels`' record):
-attention on AMX or in vectors (`amx_attention`), keys and values in bf16 or in 8 bits
-(`kv_bits`).
+"""Which attention kernels a GPU's decoding steps run with, measured on this machine.
 
-Both are timed as a step at a long context meets them: over the keys and values of `CONTEXT`
-tokens in the model's layers (up to `TIMED` bytes in bf16, in parts of `KEYS` keys), more than the
-CPU cache holds, so that they are read at the memory's speed; for one row (a plain step) and 16
-(a tree, a prompt's block), the two candidates by turns. Either choice changes a step's last
-bits, so a model keeps both for its session: a tree's nodes and a kept cache are then read as the
-one-token steps that wrote them.
+A tree's verify forward hands PyTorch's attention a mask, and for a masked call PyTorch may pick
+cuDNN's attention on Hopper GPUs (the H100 and H200), which builds an execution plan for each new
+shape. Decoding grows the context at every step, so every step is a new shape: on an H200 a tree
+step of the embedded model cost 2.5-3.2× a plain step, its attention taking ~26 ms of host time a
+forward (docs/gpu.md). `choose` times a few steps at growing lengths, as decoding runs them, with
+PyTorch's own choice and with cuDNN's kernels left out, and keeps the faster one by a clear margin
+(PyTorch's choice on a tie). A CPU has nothing to choose: its steps keep PyTorch's choice.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import statistics
 
 import torch
-from torch import Tensor
 
-from core.backends import q4, stepops
-from core.backends.lean.kv import quantize8
-from core.measure.clock import time_ms
-from core.measure.kernels import CLEAR_WIN, ratio_by_turns, recall, record_key
+from core.backends.base import ATTENTION, Backend
+from core.decode.settings import DecodeSettings
+from core.decode.step import accept, commit, prefill, verify
+from core.drafters.base import Draft
+from core.measure.clock import now
+from core.measure.profile import shaped_tree
 
-KEYS = 2048  # keys in a timed part of the context
-CONTEXT, TIMED = 4096, 128 * 2**20  # the context whose keys and values are timed, and the most bytes of them in bf16
-ROWS = (1, 16)  # a plain step, and a tree or a prompt's block
-ONE_ROW_LOSS = 0.1  # the most a one-token step's attention may lose for a choice taken for its many rows
-KV8_GAIN = 1.1  # 8-bit keys and values are taken where a one-token step's attention is this much faster with them
+MARGIN = 0.9  # another choice must take under 90 % of the default's time to replace it
+CONTEXT = 128  # tokens in the cache before the first timed step
 
 
-def amx_attention(heads: int, kv_heads: int, head_dim: int, layers: int, record: Path) -> bool:
-    """Whether attention runs on AMX here (`stepops.use_amx_attention`): whether a one-token step's
-    and a 16-row block's attention take less time so, added up, and a one-token step loses no more
-    than `ONE_ROW_LOSS` (what decoding runs most); bf16 keys and values. Measured once per machine,
-    shape and kernel library, and remembered; a new measurement turns an earlier choice over only
-    when the ratio is clearly on the other side."""
-    if not stepops.amx_heads(head_dim) or not stepops.can_amx_attention():
-        return False
-
-    def decide(earlier: bool | None) -> bool:
-        ratio = _amx_ratio(heads, kv_heads, head_dim, layers)  # the vector kernel's time over AMX's
-        return earlier if earlier is not None and abs(ratio - 1) < CLEAR_WIN - 1 else ratio > 1
-
-    return recall(record, record_key(f"amx attention {heads}x{kv_heads}x{head_dim}"), bool, decide)
+def choose(backend: Backend, nodes: int = 8, steps: int = 6) -> str:
+    """The key of `ATTENTION` whose tree steps of `nodes` nodes run fastest on `backend`'s device
+    ("default" on a CPU, where nothing is measured)."""
+    if backend.device.type != "cuda":
+        return "default"
+    median = {name: _median_step_ms(backend, name, nodes, steps) for name in ATTENTION}
+    best = min(median, key=median.__getitem__)
+    return best if median[best] < MARGIN * median["default"] else "default"
 
 
-def kv_bits(heads: int, kv_heads: int, head_dim: int, layers: int, record: Path) -> int:
-    """The bits of the keys and values a model's cache keeps here (`stepops.use_kv_bits`): 8 where a
-    one-token step's attention takes `KV8_GAIN` less time with them than in bf16 and a one-token
-    step's and a 16-row block's take less time so, added up, timed with the attention kernel the
-    model runs (chosen first: `amx_attention`); else 16. Measured once per machine, shape and kernel, and
-    remembered; a new measurement near the threshold keeps the earlier choice."""
-    if not stepops.Ops.attends(head_dim) or q4.library() is None:
-        return 16
-    kernel = "amx" if stepops.Ops(q4.library()).amx_attention(head_dim) else "vectors"
-
-    def decide(earlier: int | None) -> int:
-        one, many = _kv8_ratios(heads, kv_heads, head_dim, layers)  # bf16's time over 8-bit's
-        if earlier is not None and abs(one - KV8_GAIN) < CLEAR_WIN - 1 and one + many > 2:
-            return earlier
-        return 8 if one >= KV8_GAIN and one + many > 2 else 16
-
-    return recall(record, record_key(f"kv bits {heads}x{kv_heads}x{head_dim}", kernel), int, decide)
-
-
-def _amx_ratio(heads: int, kv_heads: int, head_dim: int, layers: int) -> float:
-    """The vector kernel's median time over AMX's for one row and for 16 rows, added up; or the
-    one-row ratio where AMX loses more than `ONE_ROW_LOSS` there."""
-    caches, lib = _caches(kv_heads, head_dim, layers, 16), q4.library()
-    one, many = _ratios(heads, head_dim, {on: (stepops.Ops(lib, amx_attention=on), caches) for on in (False, True)})
-    return one if one < 1 - ONE_ROW_LOSS else (one + many) / 2
-
-
-def _kv8_ratios(heads: int, kv_heads: int, head_dim: int, layers: int) -> tuple[float, float]:
-    """bf16 caches' median time over 8-bit ones' for one row's and 16 rows' attention."""
-    ops = stepops.Ops(q4.library())
-    runs = {on: (ops, _caches(kv_heads, head_dim, layers, 8 if on else 16)) for on in (False, True)}
-    one, many = _ratios(heads, head_dim, runs)
-    return one, many
-
-
-def _caches(kv_heads: int, head_dim: int, layers: int, bits: int) -> list[tuple[Tensor, Tensor]]:
-    """The keys and values of `CONTEXT` tokens in `layers` layers (at most `TIMED` bytes in bf16),
-    random, in parts of `KEYS` keys: (keys, values) a part, bf16 or 8-bit rows."""
-    gen = torch.Generator().manual_seed(0)
-    part = 4 * kv_heads * KEYS * head_dim  # bytes of a part's keys and values in bf16
-    parts = []
-    for _ in range(max(2, min(layers * CONTEXT // KEYS, TIMED // part))):
-        keys, values = (torch.randn(kv_heads, KEYS, head_dim, generator=gen).bfloat16() for _ in range(2))
-        parts.append((keys, values) if bits == 16 else (quantize8(keys), quantize8(values)))
-    return parts
-
-
-def _ratios(heads: int, head_dim: int, runs: dict) -> list[float]:
-    """For each of `ROWS`: the median time of attending over every part with runs[False] (ops,
-    parts) over that with runs[True], the two timed by turns."""
-    gen = torch.Generator().manual_seed(1)
-    ratios = []
-    for rows in ROWS:
-        q = torch.randn(rows, heads, head_dim, generator=gen).bfloat16()
-
-        def timed(on: bool, q=q) -> float:
-            ops, parts = runs[on]
-            return time_ms(lambda: [ops.attention(q, keys, values, KEYS, None) for keys, values in parts], repeats=3)
-
-        ratios.append(ratio_by_turns(timed))
-    return ratios
+def _median_step_ms(backend: Backend, name: str, nodes: int, steps: int) -> float:
+    """The median time of `steps` whole tree steps (verify → accept → commit) under the `name`
+    kernels, each at a new context length, after one untimed step (first-call set-up)."""
+    device = backend.device
+    vocab = backend.model.config.get_text_config().vocab_size
+    tokens = torch.tensor([(7919 * i) % vocab for i in range(1, CONTEXT + nodes + 1)], device=device)
+    tree = shaped_tree(nodes).to(device)
+    before, backend.attention = backend.attention, name
+    cache, times, settings = backend.new_cache(), [], DecodeSettings()
+    try:
+        with torch.inference_mode(), backend.kernels():
+            prefill(backend, cache, tokens[:CONTEXT])
+            for _ in range(steps + 1):
+                past = backend.length(cache)
+                draft = Draft(tokens[CONTEXT : CONTEXT + nodes], tree)
+                start = now(device)
+                commit(backend, cache, past, accept(verify(backend, cache, draft), draft, settings, None))
+                times.append(now(device) - start)
+    finally:
+        backend.attention = before
+    return 1000 * statistics.median(times[1:])
