@@ -185,8 +185,8 @@ def test_attention_matches_torch_and_a_tree_node_equals_a_one_token_step(variant
     q = torch.randn(t, heads, d, generator=gen).to(torch.bfloat16)
     exact = keys.float(), values.float()
     if bits == 8:
-        keys, values = fast.kv.quantize8(keys), fast.kv.quantize8(values)
-        exact = fast.kv.dequantize8(keys), fast.kv.dequantize8(values)
+        keys, values = fast.kv.to_kv8(keys), fast.kv.to_kv8(values)
+        exact = fast.kv.from_kv8(keys), fast.kv.from_kv8(values)
     got = ops.attention(q, keys, values, length, mask).view(t, heads, d)
     want = torch.nn.functional.scaled_dot_product_attention(
         q.float().transpose(0, 1)[None], exact[0][:, :length][None], exact[1][:, :length][None],
@@ -198,6 +198,23 @@ def test_attention_matches_torch_and_a_tree_node_equals_a_one_token_step(variant
     plain_keys, plain_values = keys[:, order].contiguous(), values[:, order].contiguous()
     one = ops.attention(q[node : node + 1], plain_keys, plain_values, len(order), None)
     assert torch.equal(one.view(heads, d), got[node])
+
+
+def test_8_bit_cache_rows_are_written_in_c_as_in_torch():
+    """The decoder's cache writes (q4_kv8_store) give `to_kv8`'s rows byte for byte: a row of
+    zeros, an even ramp, and random rows; each value within half a step of its row's scale."""
+    lib = loaded()
+    gen = torch.Generator().manual_seed(8)
+    x = (torch.randn(6, 64, generator=gen) * 3).to(torch.bfloat16)
+    x[0] = 0
+    x[1] = torch.arange(64) - 31.5  # an even ramp, top 31.5
+    want = fast.kv.to_kv8(x)
+    got = torch.zeros_like(want)
+    for r in range(x.shape[0]):
+        lib.q4_kv8_store(x[r].data_ptr(), 64, got[r].data_ptr())
+    assert torch.equal(got, want)
+    assert torch.equal(fast.kv.from_kv8(want)[0], torch.zeros(64))
+    assert (fast.kv.from_kv8(want) - x.float()).abs().max() <= x.float().abs().max() / 254 * 1.001
 
 
 @pytest.mark.parametrize("variant", ["avx512-vnni", "avx2"])

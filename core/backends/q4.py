@@ -41,9 +41,10 @@ SOURCES = (
     NATIVE / "amx.c",
     NATIVE / "attend.c",
     NATIVE / "attend_amx.c",
+    NATIVE / "attend_amx8.c",
     NATIVE / "step.c",
     NATIVE / "decode.c",
-)  # compiled together, with common.h
+)  # compiled together, with common.h and attend_amx.h
 VERSION = 19  # q4_version() of the source above
 TILE = 16  # outputs per tile (inputs per scale: `quantize.GROUP`)
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
@@ -123,7 +124,10 @@ def _compiler() -> str:
 
 @functools.cache
 def _source() -> bytes:
-    return b"".join(p.read_bytes() for p in (*SOURCES, NATIVE / "common.h")) + " ".join(FLAGS).encode()
+    return (
+        b"".join(p.read_bytes() for p in (*SOURCES, NATIVE / "common.h", NATIVE / "attend_amx.h"))
+        + " ".join(FLAGS).encode()
+    )
 
 
 def source_id() -> str:
@@ -210,6 +214,7 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.q4_attention.restype = ctypes.c_int
     lib.q4_rmsnorm.argtypes = [ctypes.c_int, i64, i64, ptr, i64, ptr, ctypes.c_int, ctypes.c_float, ptr]
     lib.q4_rmsnorm.restype = None
+    lib.q4_kv8_store.argtypes, lib.q4_kv8_store.restype = [ptr, i64, ptr], None
     lib.q4_decode.argtypes = [ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64]
     lib.q4_decode.argtypes += [ptr, i64, ptr]
     lib.q4_decode.restype = ctypes.c_int

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from core.backends import q4, stepops
-from core.backends.lean.kv import quantize8
+from core.backends.lean.kv import to_kv8
 from core.measure.clock import time_ms
 from core.measure.kernels import CLEAR_WIN, ratio_by_turns, recall, record_key
 
@@ -88,7 +88,7 @@ def _caches(kv_heads: int, head_dim: int, layers: int, bits: int) -> list[tuple[
     parts = []
     for _ in range(max(2, min(layers * CONTEXT // KEYS, TIMED // part))):
         keys, values = (torch.randn(kv_heads, KEYS, head_dim, generator=gen).bfloat16() for _ in range(2))
-        parts.append((keys, values) if bits == 16 else (quantize8(keys), quantize8(values)))
+        parts.append((keys, values) if bits == 16 else (to_kv8(keys), to_kv8(values)))
     return parts
 
 

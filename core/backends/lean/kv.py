@@ -71,14 +71,14 @@ class StaticKV:
             self.length = rest
 
 
-def dequantize8(rows: Tensor) -> Tensor:
+def from_kv8(rows: Tensor) -> Tensor:
     """8-bit cache rows (…, head dim + 4) uint8 → their values (…, head dim) float32."""
     d = rows.shape[-1] - KV8_EXTRA
     scale = rows[..., d:].contiguous().view(torch.float32)
     return rows[..., :d].contiguous().view(torch.int8).float() * scale
 
 
-def quantize8(x: Tensor) -> Tensor:
+def to_kv8(x: Tensor) -> Tensor:
     """Rows (…, head dim) → 8-bit cache rows (…, head dim + 4) uint8, as the library's decoder
     writes them (q4_kv8_store): scale = the largest magnitude / 127, values rounded to multiples."""
     x = x.float()

@@ -16,17 +16,15 @@
  * window takes the scores alone on AMX (its masks hide early keys: slots and positions part). The
  * bits differ from the vector kernel's in their last places (another order of sums, the scale
  * applied after the scores, the weights in bf16), so a model runs one or the other for its whole
- * session (its measured choice: core/measure/kernels.py).
+ * session (its measured choice: core/measure/cpu_attention.py). The 8-bit cache's own parts are in
+ * attend_amx8.c.
  */
-#include "common.h"
+#include "attend_amx.h"
 
 #if !Q4_NEW_ISAS
 int q4_amx_attention(void) { return -1; }
 void q4_amx_begin(void) {}
 void q4_amx_end(void) {}
-void q4_pair_values(const int8_t *rows, int64_t d, int64_t count, uint16_t *out, float *units) {
-  (void)rows, (void)d, (void)count, (void)out, (void)units;
-}
 void q4_part_amx(int amx, int kv8, int64_t n, int64_t d, const uint16_t *const *q, float scale, const void *k,
                  const void *v, const uint16_t *wide, const float *wide_units, int64_t from, int64_t to,
                  int64_t open, const uint16_t *const *mask, float *scores, float *scratch, float *top, float *total,
@@ -36,11 +34,6 @@ void q4_part_amx(int amx, int kv8, int64_t n, int64_t d, const uint16_t *const *
   (void)scores, (void)scratch, (void)top, (void)total, (void)acc;
 }
 #else
-
-#define TAMXB                                                                                                        \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,amx-tile,amx-bf16,amx-int8")))
-#define KEYS16 16 /* keys a tile's rows hold */
-#define AHEAD 32  /* keys ahead whose keys (and values, to L2) the scores prefetch */
 
 /* 0 where this build has the AMX-BF16 kernel (the CPU's and Linux's say: stepops.py). */
 int q4_amx_attention(void) { return 0; }
@@ -56,31 +49,6 @@ TAMXB void q4_amx_begin(void) {
 }
 
 TAMXB void q4_amx_end(void) { _tile_release(); }
-
-/* r[i][j] ← r[j][i]: a 16 × 16 block of floats transposed in registers. */
-TAMXB static inline void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 8; i++) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; i++) {
-    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-  }
-  for (int i = 0; i < 4; i++) {
-    t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
-    t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xDD);
-    t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
-    t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xDD);
-  }
-  for (int i = 0; i < 8; i++) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
-    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xDD);
-  }
-}
 
 /* s (n rows of `padded`): the scores of queries q[0, n) (bf16 rows) against the keys k[0, length)
  * (d apart; the values v beside them, or NULL, prefetched to L2 as the keys go by), times
@@ -128,67 +96,6 @@ TAMXB static void scores_amx(int64_t n, int64_t d, const uint16_t *const *q, flo
   }
 }
 
-/* The 8-bit cache's scores (KV8_ROW rows, d a multiple of 64): each query rounded to int8 on its
- * own scale (its largest magnitude / 127), so one `tdpbssd` makes 16 keys' exact integer dot
- * products with 16 queries (tile A: 16 keys' int8 rows as they lie in the cache, 64 dims; tile B:
- * the queries' dims in fours side by side); a score is then that integer × the key's scale × the
- * query's scale × `scale`, in that order. Scratch as scores_amx's, the queries' scales in qs; v as
- * scores_amx's. */
-TAMXB static void scores_amx8(int64_t n, int64_t d, const uint16_t *const *q, float scale, const int8_t *k,
-                              const int8_t *v, int64_t length, int64_t padded, float *tile, int8_t *qt, int8_t *tail,
-                              float *qs, float *s) {
-  int64_t chunks = d / 64, row = KV8_ROW(d);
-  memset(qt, 0, (size_t)(1024 * chunks));
-  for (int64_t m = 0; m < n; m++) { /* B row p of chunk c: dims 64c + 4p .. 4p + 3 of each query (4 bytes a query) */
-    __m512 most = _mm512_setzero_ps();
-    for (int64_t i = 0; i < d; i += 16) most = _mm512_max_ps(most, _mm512_abs_ps(LOAD_BF512(q[m] + i)));
-    float top = _mm512_reduce_max_ps(most), unit = top / 127.0f;
-    __m512 u = _mm512_set1_ps(top > 0.0f ? unit : 1.0f); /* top 0: every dim 0 */
-    for (int64_t i = 0; i < d; i += 16) { /* rounded to the nearest integer, ties to even */
-      int8_t x[16];
-      _mm_storeu_si128((__m128i *)x, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(LOAD_BF512(q[m] + i), u))));
-      for (int64_t f = i; f < i + 16; f += 4) memcpy(qt + f / 64 * 1024 + f % 64 / 4 * 64 + m * 4, x + f - i, 4);
-    }
-    qs[m] = unit * scale;
-  }
-  const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
-  for (int64_t j0 = 0; j0 < padded; j0 += KEYS16) {
-    const int8_t *rows = k + j0 * row;
-    if (j0 + KEYS16 > length) {
-      memset(tail, 0, (size_t)(KEYS16 * row));
-      memcpy(tail, rows, (size_t)((length - j0) * row));
-      rows = tail;
-    }
-    for (int64_t b = 0; j0 + AHEAD + KEYS16 <= length && b < KEYS16 * row; b += 64) { /* the keys and values ahead */
-      _mm_prefetch((const char *)(k + (j0 + AHEAD) * row) + b, _MM_HINT_T0);
-      if (v) _mm_prefetch((const char *)(v + (j0 + AHEAD) * row) + b, _MM_HINT_T1);
-    }
-    _tile_zero(0);
-    for (int64_t c = 0; c < chunks; c++) {
-      _tile_loadd(1, rows + 64 * c, row);
-      _tile_loadd(2, qt + c * 1024, 64);
-      _tile_dpbssd(0, 1, 2);
-    }
-    _tile_stored(0, tile, 64); /* a row a key, a lane a query: integers */
-    float ks[KEYS16];
-    for (int i = 0; i < KEYS16; i++) ks[i] = kv8_scale(rows + i * row, d);
-    const __m512 keys = _mm512_loadu_ps(ks);
-    if (n > 4) {
-      __m512 r[16];
-      for (int i = 0; i < 16; i++) r[i] = _mm512_cvtepi32_ps(_mm512_loadu_si512(tile + 16 * i));
-      transpose16(r);
-      for (int64_t m = 0; m < n; m++)
-        _mm512_storeu_ps(s + m * padded + j0, _mm512_mul_ps(_mm512_mul_ps(r[m], keys), _mm512_set1_ps(qs[m])));
-    } else {
-      for (int64_t m = 0; m < n; m++) {
-        __m512i x = _mm512_i32gather_epi32(_mm512_add_epi32(column, _mm512_set1_epi32((int)m)), tile, 4);
-        __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(x), keys);
-        _mm512_storeu_ps(s + m * padded + j0, _mm512_mul_ps(y, _mm512_set1_ps(qs[m])));
-      }
-    }
-  }
-}
-
 /* B tiles (`tiles` of 16 dims from dim c; 2 or 4) of 32 keys' values: row p holds keys 2p and 2p
  * + 1 side by side, dim by dim (tile A's weights pair them so), in the order one unpack of a
  * 128-bit lane gives: of 32 dims, tile 2h has dims 0-3, 8-11, 16-19, 24-27 and tile 2h + 1 the
@@ -205,37 +112,6 @@ TAMXB static void pairs_of(const uint16_t *const *rows, int64_t c, int tiles, ui
     }
 }
 
-/* B tiles (`tiles` of 16 dims from dim c) of 32 keys' 8-bit values widened to bf16 (exact: bf16
- * holds every int8; a row's scale is left to the weights): row p holds keys 2p and 2p + 1 side by
- * side, dim by dim, the dims in order. rows[j]: key j's 8-bit row, or NULL (zeros). out: tiles ×
- * 16 × 32 bf16. */
-TAMXB static void pairs8(const int8_t *const *rows, int64_t c, int tiles, uint16_t *out) {
-  static const uint16_t order[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i mix = _mm512_loadu_si512(order); /* x's dim i, then y's, dim by dim */
-  for (int p = 0; p < 16; p++) {
-    const int8_t *a = rows[2 * p], *b = rows[2 * p + 1];
-    for (int t = 0; t < tiles; t++) {
-      __m512 x = a ? LOAD_I8512(a + c + 16 * t) : _mm512_setzero_ps();
-      __m512 y = b ? LOAD_I8512(b + c + 16 * t) : _mm512_setzero_ps();
-      __m512i both = (__m512i)_mm512_cvtne2ps_pbh(y, x); /* x's 16 then y's */
-      _mm512_storeu_si512(out + (t * 16 + p) * 32, _mm512_permutexvar_epi16(mix, both));
-    }
-  }
-}
-
-/* Rows [0, count) of 8-bit values (KV8_ROW apart) as pairs8's B tiles of every dim, 32 keys a
- * block (d · 32 bf16 a block; a last one filled with zeros), their scales to `units`: what the
- * query blocks of a many-row pass share (step.c), so that each makes none. */
-TAMXB void q4_pair_values(const int8_t *rows, int64_t d, int64_t count, uint16_t *out, float *units) {
-  for (int64_t kb = 0; kb < count; kb += 32) {
-    const int8_t *r[32];
-    for (int64_t j = 0; j < 32; j++) r[j] = kb + j < count ? rows + (kb + j) * KV8_ROW(d) : 0;
-    pairs8(r, 0, (int)(d / 16), out + kb * d);
-  }
-  for (int64_t j = 0; j < count; j++) units[j] = kv8_scale(rows + j * KV8_ROW(d), d);
-}
-
 /* The B tiles of keys[0, 32) (-1: none; relative to v) for dims [c, c + 16·tiles): pairs_of's of
  * bf16 rows, or pairs8's of 8-bit ones (dims in order), made into `out`. */
 TAMXB static const uint16_t *b_tiles(const char *v, int kv8, int64_t d, const int64_t *keys, int64_t c, int tiles,
@@ -243,7 +119,7 @@ TAMXB static const uint16_t *b_tiles(const char *v, int kv8, int64_t d, const in
   if (kv8) {
     const int8_t *rows[32];
     for (int j = 0; j < 32; j++) rows[j] = keys[j] >= 0 ? (const int8_t *)v + keys[j] * KV8_ROW(d) : 0;
-    pairs8(rows, c, tiles, out);
+    q4_pairs8(rows, c, tiles, out);
   } else {
     const uint16_t *rows[32];
     for (int j = 0; j < 32; j++) rows[j] = keys[j] >= 0 ? (const uint16_t *)v + keys[j] * d : 0;
@@ -394,7 +270,7 @@ TAMXB void q4_part_amx(int amx, int kv8, int64_t n, int64_t d, const uint16_t *c
   const char *kp = (const char *)k + from * bytes, *vp = (const char *)v + from * bytes;
   if (kv8) {
     const int8_t *ahead = wide ? 0 : (const int8_t *)vp; /* values to prefetch with the keys (not yet widened) */
-    scores_amx8(n, d, q, scale, (const int8_t *)kp, ahead, length, padded, scratch, (int8_t *)qt,
+    q4_scores_amx8(n, d, q, scale, (const int8_t *)kp, ahead, length, padded, scratch, (int8_t *)qt,
                 (int8_t *)(qt + 8 * d), (float *)(qt + 24 * d), scores);
     weighted512_8(n, d, v, from, to, open, mask, scores, top, total, amx == 2 ? 0 : acc);
   } else {

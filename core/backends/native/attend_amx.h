@@ -1,0 +1,43 @@
+/* What attend_amx.c (attention on AMX) and attend_amx8.c (its 8-bit keys' and values' parts)
+ * share: the target, the tiles' keys, a register transpose. */
+#pragma once
+#include "common.h"
+
+#if Q4_NEW_ISAS
+#define TAMXB                                                                                                        \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,amx-tile,amx-bf16,amx-int8")))
+#define KEYS16 16 /* keys a tile's rows hold */
+#define AHEAD 32  /* keys ahead whose keys (and values, to L2) the scores prefetch */
+
+/* r[i][j] ← r[j][i]: a 16 × 16 block of floats transposed in registers. */
+TAMXB static inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; i++) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; i++) {
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; i++) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
+    t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xDD);
+    t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
+    t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xDD);
+  }
+  for (int i = 0; i < 8; i++) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xDD);
+  }
+}
+
+/* attend_amx8.c's: the scores of an 8-bit cache's keys, and 8-bit values as B tiles. */
+TAMXB void q4_scores_amx8(int64_t n, int64_t d, const uint16_t *const *q, float scale, const int8_t *k,
+                          const int8_t *v,
+                          int64_t length, int64_t padded, float *tile, int8_t *qt, int8_t *tail, float *qs,
+                          float *s);
+TAMXB void q4_pairs8(const int8_t *const *rows, int64_t c, int tiles, uint16_t *out);
+#endif
