@@ -173,6 +173,12 @@ def test_greedy_tree_decoding_equals_plain_with_8_bit_keys_and_values(family, at
     assert backend.new_cache().keys.dtype == torch.uint8
     _tree_equals_plain(backend)
     _blocks_equal_steps(backend)
+    with torch.inference_mode():  # a causal block longer than the decoder takes, in one run: as the prefill's blocks
+        ids = torch.randint(0, VOCAB, (150,), generator=torch.Generator().manual_seed(4))
+        caches = [backend.new_cache(), backend.new_cache()]
+        whole = backend.forward.run(ids, torch.arange(150), None, caches[0])[0]
+        assert torch.equal(whole, prefill(backend, caches[1], ids).features)
+        assert caches[0].keys[:, :, :150].equal(caches[1].keys[:, :, :150])
     logits = []
     with torch.inference_mode():
         for bits in (8, 16):

@@ -59,7 +59,16 @@ class LeanForward:
             mask, causal = causal_mask(t, past, self.dtype), False
         ropes = [rope(positions) for rope in self.ropes]
         x = self.embed(ids).contiguous()
-        streams = run_native(self.native, x, ropes, past, mask, causal, cache, positions=positions, taps=taps)
+        if (
+            self.native is not None
+            and (causal or t > stepops.Ops.MAX_ROWS)
+            and (mask is None or mask.dtype == self.dtype)
+        ):
+            if causal:  # as a prefill's blocks: the library's decoder with an explicit mask
+                mask, causal = causal_mask(t, past, self.dtype, ids.device), False
+            streams = self._in_blocks(x, ropes, positions, mask, cache, past, taps)
+        else:
+            streams = run_native(self.native, x, ropes, past, mask, causal, cache, positions=positions, taps=taps)
         if streams is None:  # the layers one by one
             x, tapped = self._layers(x, ropes, positions, cache, past, mask, causal, taps)
             streams = torch.cat(tapped, dim=-1) if taps else None
@@ -84,6 +93,19 @@ class LeanForward:
             every.append(hidden)
             tapped.append(streams)
         return torch.cat(every), torch.cat(tapped) if taps else None
+
+    def _in_blocks(self, x, ropes, positions, mask, cache, past, taps: Taps) -> Tensor:
+        """More rows than the library's decoder takes at once (x updated in place) in blocks of
+        `Ops.MAX_ROWS`, in order: a block's rows see the keys the blocks before wrote, and each
+        row's bits are its own whatever block it is in. The tapped streams, as `run_native`'s."""
+        step, tapped = stepops.Ops.MAX_ROWS, []
+        for a in range(0, x.shape[0], step):
+            b = min(a + step, x.shape[0])
+            part = x[a:b]  # contiguous rows: updated in place
+            tables = [(cos[a:b], sin[a:b]) for cos, sin in ropes]
+            seen = mask[:, :, a:b, : past + b]
+            tapped.append(run_native(self.native, part, tables, past + a, seen, False, cache, positions[a:b], taps))
+        return torch.cat(tapped)
 
     def _layers(self, x, ropes, positions, cache, past, mask, causal, taps: Taps) -> tuple[Tensor, list[Tensor]]:
         """The layers one by one on torch's ops (and the library's row-by-row ops), with each
