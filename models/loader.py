@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
-from core.backends import lean, q4, stepops
+from core.backends import lean, q4
 from core.backends.base import Backend
 from core.backends.torch import TorchBackend
 from core.drafters.eagle import EagleDraft, load_draft
@@ -194,13 +194,7 @@ def cpu_choice(config: object | None, dtype: str | None, int4: bool) -> kernels.
     hidden = getattr(config, "hidden_size", 1024)
     inner = getattr(config, "intermediate_size", 4 * hidden)
     record = cache_dir() / "cpu-kernels.json"
-    heads = getattr(config, "num_attention_heads", None)
-    if heads:  # attention on AMX or in vectors, for the model's heads
-        dim = getattr(config, "head_dim", None) or hidden // heads
-        kv = getattr(config, "num_key_value_heads", None) or heads
-        layers = getattr(config, "num_hidden_layers", 1)
-        stepops.use_amx_attention(cpu_attention.amx_attention(heads, kv, dim, layers, record))
-        stepops.use_kv_bits(cpu_attention.kv_bits(heads, kv, dim, layers, record) if int4 else 16)
+    cpu_attention.use_measured(config, int4, record)  # attention on AMX or in vectors, keys and values' bits
     if int4:  # the 4-bit kernels' flavors first: the kernels are then timed as they will run
         q4.use_amx(kernels.amx_rows(hidden, inner, record))
         q4.use_avx_vnni(kernels.avx_vnni(hidden, inner, record))

@@ -35,16 +35,10 @@ from torch import Tensor
 from core.backends.quantize import GROUP, reference
 
 NATIVE = Path(__file__).parent / "native"
-SOURCES = (
-    NATIVE / "q4gemm.c",
-    NATIVE / "avx2.c",
-    NATIVE / "amx.c",
-    NATIVE / "attend.c",
-    NATIVE / "attend_amx.c",
-    NATIVE / "attend_amx8.c",
-    NATIVE / "step.c",
-    NATIVE / "decode.c",
-)  # compiled together, with common.h and attend_amx.h
+SOURCES = tuple(
+    NATIVE / f"{name}.c" for name in ("q4gemm", "avx2", "amx", "attend", "attend_amx", "attend_amx8", "step", "decode")
+)  # compiled together, with the headers
+HEADERS = (NATIVE / "common.h", NATIVE / "attend_amx.h")
 VERSION = 19  # q4_version() of the source above
 TILE = 16  # outputs per tile (inputs per scale: `quantize.GROUP`)
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
@@ -124,10 +118,7 @@ def _compiler() -> str:
 
 @functools.cache
 def _source() -> bytes:
-    return (
-        b"".join(p.read_bytes() for p in (*SOURCES, NATIVE / "common.h", NATIVE / "attend_amx.h"))
-        + " ".join(FLAGS).encode()
-    )
+    return b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS)) + " ".join(FLAGS).encode()
 
 
 def source_id() -> str:

@@ -29,6 +29,20 @@ ONE_ROW_LOSS = 0.1  # the most a one-token step's attention may lose for a choic
 KV8_GAIN = 1.1  # 8-bit keys and values are taken where a one-token step's attention is this much faster with them
 
 
+def use_measured(config, int4: bool, record: Path) -> None:
+    """The step ops' attention choices for the models loaded next (`stepops.use_amx_attention`,
+    `stepops.use_kv_bits`), measured for `config`'s heads or remembered; 8-bit keys and values only
+    with `int4` (the library's decoder reads them). Nothing changes for a config without heads."""
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads:
+        return
+    dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 1024) // heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    layers = getattr(config, "num_hidden_layers", 1)
+    stepops.use_amx_attention(amx_attention(heads, kv, dim, layers, record))
+    stepops.use_kv_bits(kv_bits(heads, kv, dim, layers, record) if int4 else 16)
+
+
 def amx_attention(heads: int, kv_heads: int, head_dim: int, layers: int, record: Path) -> bool:
     """Whether attention runs on AMX here (`stepops.use_amx_attention`): whether a one-token step's
     and a 16-row block's attention take less time so, added up, and a one-token step loses no more

@@ -45,7 +45,7 @@ class LeanBackend(OnModel):
         flavors = q4.flavors(self._amx_rows()) if {kernel, head} & {"q4", "q8"} else ""
         ops = self.forward.layers[0].ops if self.forward.layers else None
         scores = ", AMX attention" if ops is not None and ops.amx_attention(self.forward.layers[0].head_dim) else ""
-        kv = ", 8-bit KV" if self.forward.kv_bits == 8 else ""
+        kv = ", 8-bit KV" if self.forward.kv_bits == 8 and self.forward.native is not None else ""
         return f"lean, {kernel} layers{whole}, {head} lm_head{' by node' if self.row_head else ''}{flavors}{scores}{kv}"
 
     def _amx_rows(self) -> int:

@@ -38,10 +38,12 @@ class LeanForward:
         self.rope = self.ropes[0]
         self.final_norm = norm(base.norm, stepops.ops(self.dtype, model.device))
         self.native = native_decoder(base.layers, config, self.layers, self.rope_of)  # every layer in one call, or None
-        self.kv_bits = stepops.kv_bits() if self.native is not None else 16  # 8: only the library's decoder reads them
+        self.kv_bits = stepops.kv_bits()  # the keys' and values' bits where the library's decoder runs the layers
 
     def new_cache(self) -> StaticKV:
-        return StaticKV(len(self.layers), self.kv_heads, self.head_dim, self.dtype, bits=self.kv_bits)
+        """An empty cache: 8-bit keys and values only for the library's decoder (torch's layers take bf16)."""
+        bits = self.kv_bits if self.native is not None else 16
+        return StaticKV(len(self.layers), self.kv_heads, self.head_dim, self.dtype, bits=bits)
 
     def run(
         self, ids: Tensor, positions: Tensor, mask: Tensor | None, cache: StaticKV, taps: Taps = ()
