@@ -39,7 +39,7 @@ SOURCES = tuple(
     NATIVE / f"{name}.c" for name in ("q4gemm", "avx2", "amx", "attend", "attend_amx", "attend_amx8", "step", "decode")
 )  # compiled together, with the headers
 HEADERS = (NATIVE / "common.h", NATIVE / "attend_amx.h")
-VERSION = 19  # q4_version() of the source above
+VERSION = 20  # q4_version() of the source above
 TILE = 16  # outputs per tile (inputs per scale: `quantize.GROUP`)
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
 ISAS = {"avx512-vnni": 2, "avx2": 1}  # the kernel variants, as q4_gemm numbers them

@@ -68,7 +68,7 @@ class Ops:
         t, heads, d = q.shape
         kv, capacity = keys.shape[0], keys.shape[1]
         out = torch.empty(t, heads * d, dtype=torch.bfloat16)
-        variant = (self.variant & ~AMX_VALUES if window else self.variant) | (KV8 if keys.dtype == torch.uint8 else 0)
+        variant = (self.variant & ~AMX_VALUES if window else self.variant) | cache_flags(keys)
         code = self.lib.q4_attention(
             variant, torch.get_num_threads(), t, heads, kv, d, length, q.data_ptr(), q.stride(0),
             keys.data_ptr(), values.data_ptr(), capacity, None if mask is None else mask.data_ptr(),
@@ -77,6 +77,11 @@ class Ops:
         )  # fmt: skip
         raise_for(code, d)
         return out
+
+
+def cache_flags(keys: Tensor) -> int:
+    """The flags a cache's format adds to the variant's number: `KV8` for 8-bit rows (uint8)."""
+    return KV8 if keys.dtype == torch.uint8 else 0
 
 
 def amx_heads(head_dim: int) -> bool:

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from core.backends import q4, stepops
 from core.backends.lean.kv import to_kv8
+from core.backends.lean.layer import head_size
 from core.measure.clock import time_ms
 from core.measure.kernels import CLEAR_WIN, ratio_by_turns, recall, record_key
 
@@ -36,7 +37,7 @@ def use_measured(config, int4: bool, record: Path) -> None:
     heads = getattr(config, "num_attention_heads", None)
     if not heads:
         return
-    dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 1024) // heads
+    dim = head_size(config)
     kv = getattr(config, "num_key_value_heads", None) or heads
     layers = getattr(config, "num_hidden_layers", 1)
     stepops.use_amx_attention(amx_attention(heads, kv, dim, layers, record))

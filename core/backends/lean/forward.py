@@ -57,17 +57,11 @@ class LeanForward:
         t, past = ids.numel(), cache.length
         cache.reserve(past + t)
         causal = mask is None and t > 1
-        if causal and past:  # a causal block after a prefix: build the mask (prefill on top of a cache)
-            mask, causal = causal_mask(t, past, self.dtype), False
+        if causal and (past or self.native is not None):  # after a prefix, or for the library's decoder
+            mask, causal = causal_mask(t, past, self.dtype, ids.device), False
         ropes = [rope(positions) for rope in self.ropes]
         x = self.embed(ids).contiguous()
-        if (
-            self.native is not None
-            and (causal or t > stepops.Ops.MAX_ROWS)
-            and (mask is None or mask.dtype == self.dtype)
-        ):
-            if causal:  # as a prefill's blocks: the library's decoder with an explicit mask
-                mask, causal = causal_mask(t, past, self.dtype, ids.device), False
+        if self.native is not None and t > stepops.Ops.MAX_ROWS and (mask is None or mask.dtype == self.dtype):
             streams = self._in_blocks(x, ropes, positions, mask, cache, past, taps)
         else:
             streams = run_native(self.native, x, ropes, past, mask, causal, cache, positions=positions, taps=taps)

@@ -39,7 +39,7 @@ class LeanLayer:
     def __init__(self, layer: nn.Module, config, index: int) -> None:
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.head_dim = head_size(config)
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.inner = config.intermediate_size
         self.index = index
@@ -101,6 +101,11 @@ class LeanLayer:
         gu = self.gate_up(self.norm2(x))
         m = self.down(ACTS[self.act](gu[:, : self.inner]) * gu[:, self.inner :])
         return x + (m if self.post_mlp is None else self.post_mlp(m))
+
+
+def head_size(config) -> int:
+    """A config's attention head size: its `head_dim`, else hidden size ÷ heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def causal_mask(t: int, past: int, dtype: torch.dtype, device=None) -> Tensor:

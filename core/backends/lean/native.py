@@ -186,7 +186,7 @@ class Decoder:
         t, hidden = x.shape
         counts = torch.tensor(taps, dtype=torch.int64)
         streams = torch.empty(t, len(taps) * hidden, dtype=x.dtype)
-        variant = self.variant | (stepops.KV8 if keys.dtype == torch.uint8 else 0)
+        variant = self.variant | stepops.cache_flags(keys)
         code = self.lib.q4_decode(
             self.address, variant, torch.get_num_threads(), t, x.data_ptr(), cos.data_ptr(),
             sin.data_ptr(), None if at is None else at.data_ptr(), past, None if mask is None else mask.data_ptr(),

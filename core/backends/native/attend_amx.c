@@ -204,8 +204,8 @@ TAMXB static void values_amx(int64_t n, int64_t d, const char *v, int kv8, const
   int own[AMX_QUERIES] = {0};
   memset(pb, 0, sizeof(uint16_t) * (size_t)(n * p32)); /* rows from n on: any values (their sums are not read) */
   memset(row, 0, sizeof(uint16_t) * 16 * 32);
-  for (int64_t j = 0; j < p32; j++) /* 1 past `length` (its weights are 0) */
-    units[j] = !kv8 || j >= length ? 1.0f : wide_units ? wide_units[j] : kv8_scale((const int8_t *)v + j * bytes, d);
+  for (int64_t j = 0; kv8 && j < p32; j++) /* 1 past `length` (its weights are 0) */
+    units[j] = j >= length ? 1.0f : wide_units ? wide_units[j] : kv8_scale((const int8_t *)v + j * bytes, d);
   for (int64_t m = 0; m < n; m++) {
     own[m] = !in_place(mask[m], from, open, length);
     for (int64_t j = 0; j < (own[m] ? shared : padded); j += 16) { /* own: its products from `shared` on */
@@ -241,8 +241,8 @@ TAMXB static void values_amx(int64_t n, int64_t d, const char *v, int kv8, const
               key = next < length ? next++ : -1;
             }
             keys[j] = key;
-            float w = key >= 0 ? p[m * padded + key] * units[key] : 0.0f; /* as the shared products' */
-            row[j] = key >= 0 ? float_to_bf16(kv8 ? w : p[m * padded + key]) : 0; /* round_bf512's rounding */
+            float w = key < 0 ? 0.0f : kv8 ? p[m * padded + key] * units[key] : p[m * padded + key];
+            row[j] = key >= 0 ? float_to_bf16(w) : 0; /* as the shared products' (round_bf512's rounding) */
           }
           product(tiles, row, 64, b_tiles(v, kv8, d, keys, c, tiles, pairs));
         }
