@@ -223,10 +223,6 @@ def test_the_amx_row_count_is_measured_on_this_machine(tmp_path):
 # A flavor choice: (module, its availability check, the record's key, the measurement, the choice)
 FLAVORS = {
     "avx-vnni": (q4, "avx_vnni", "avx-vnni 64x128", kernels, "_avx_vnni_ratio", lambda r: kernels.avx_vnni(64, 128, r)),
-    "amx attention": (
-        stepops, "can_amx_attention", "amx attention 9x3x64", cpu_attention, "_amx_ratio",
-        lambda r: cpu_attention.amx_attention(9, 3, 64, 30, r),
-    ),
 }  # fmt: skip
 
 
@@ -253,24 +249,51 @@ def test_avx_vnni_is_not_taken_where_plain_avx2_is_emulated(monkeypatch):
     assert not q4.avx_vnni()
 
 
-def test_the_amx_attention_choice_is_measured_on_this_machine(tmp_path):
-    """Where the CPU has AMX's bf16 products, both kernels are timed and the choice follows the
-    ratio (a one-token step's loss bounded); a model loaded after it names it in its forward."""
+def test_the_attention_kernel_is_remembered_and_turns_only_on_a_clear_gain(tmp_path, monkeypatch):
+    """Of the kernels the CPU runs, the one with the best gain over vectors (none above 1: vectors);
+    remembered (nothing timed at later launches); a measurement with another kernel library keeps
+    the earlier choice unless another kernel is `CLEAR_WIN` faster than it."""
     _library()
-    assert cpu_attention.amx_attention(8, 2, 48, 30, tmp_path / "odd.json") is False  # heads of 48: not on tiles
-    assert cpu_attention.amx_attention(1, 1, 1024, 30, tmp_path / "odd.json") is False  # beyond the attention kernel
-    if not stepops.can_amx_attention():
-        pytest.skip("this CPU (or its Linux) does not give AMX's bf16 products")
-    ratio = cpu_attention._amx_ratio(9, 3, 64, 30)
-    assert 0.2 < ratio < 5
-    chosen = cpu_attention.amx_attention(9, 3, 64, 30, tmp_path / "record.json")
-    assert chosen is (ratio > 1) or abs(ratio - 1) < kernels.CLEAR_WIN - 1
-    try:
-        stepops.use_amx_attention(True)
-        assert stepops.ops(torch.bfloat16).amx_attention(64) and not stepops.ops(torch.bfloat16).amx_attention(48)
-    finally:
-        stepops.use_amx_attention(False)
-    assert not stepops.ops(torch.bfloat16).amx_attention(64)
+    monkeypatch.setattr(stepops, "can_attend_with", lambda kernel: True)
+    old_key = kernels._LIBRARY_ID.sub("|kernels 000000000000", kernels.record_key("attention kernel 9x3x64"))
+    cases = (
+        ({"amx": 1.4, "dot": 1.2}, None, "amx"), ({"amx": 0.9, "dot": 1.3}, None, "dot"),
+        ({"amx": 0.8, "dot": 0.95}, None, "vectors"),  # measured afresh
+        ({"amx": 1.05, "dot": 1.0}, "vectors", "vectors"), ({"amx": 1.3, "dot": 1.25}, "dot", "dot"),
+        ({"amx": 1.5, "dot": 1.2}, "dot", "amx"), ({"amx": 0.7, "dot": 0.8}, "amx", "vectors"),  # an earlier choice
+    )  # fmt: skip
+    for gains, earlier, want in cases:
+        record = _record(tmp_path, {} if earlier is None else {old_key: earlier})
+        monkeypatch.setattr(cpu_attention, "_gain", lambda kernel, *shape, gains=gains: gains[kernel])
+        assert cpu_attention.attention_kernel(9, 3, 64, 30, record) == want, (gains, earlier)
+        monkeypatch.setattr(cpu_attention, "_gain", lambda *shape: pytest.fail("measured again"))
+        for _launch in range(4):
+            assert cpu_attention.attention_kernel(9, 3, 64, 30, record) == want
+    monkeypatch.setattr(stepops, "can_attend_with", lambda kernel: kernel == "vectors")
+    assert cpu_attention.attention_kernel(9, 3, 64, 30, tmp_path / "none.json") == "vectors"
+
+
+def test_the_attention_kernel_is_measured_on_this_machine(tmp_path):
+    """Where the CPU runs a kernel beyond vectors, each is timed and the choice follows the gains (a
+    one-token step's loss bounded); a model loaded after it names it in its forward."""
+    _library()
+    assert cpu_attention.attention_kernel(8, 2, 48, 30, tmp_path / "odd.json") == "vectors"  # 48: not on tiles
+    assert cpu_attention.attention_kernel(1, 1, 1024, 30, tmp_path / "odd.json") == "vectors"  # beyond the kernel
+    kernels_here = [kernel for kernel in stepops.NAMES if stepops.can_attend_with(kernel)]
+    if not kernels_here:
+        pytest.skip("this CPU runs attention in vectors only (no AMX, nor AVX-512's bf16 and VNNI products)")
+    gains = {kernel: cpu_attention._gain(kernel, 9, 3, 64, 30) for kernel in kernels_here}
+    assert all(0.2 < gain < 5 for gain in gains.values())
+    chosen = cpu_attention.attention_kernel(9, 3, 64, 30, tmp_path / "record.json")
+    assert chosen in [*kernels_here, "vectors"]
+    if max(gains.values()) > 1.3:  # a clear win measured once is not lost to noise the next time
+        assert chosen != "vectors"
+    for kernel in kernels_here:
+        stepops.use_attention(kernel)
+        assert stepops.ops(torch.bfloat16).attention_kernel(64) == kernel
+        assert stepops.ops(torch.bfloat16).attention_kernel(48) == "vectors"
+    stepops.use_attention("vectors")
+    assert stepops.ops(torch.bfloat16).attention_kernel(64) == "vectors"
 
 
 def test_the_kv_bits_are_remembered_and_turn_only_on_a_clear_gain(tmp_path, monkeypatch):
@@ -278,7 +301,7 @@ def test_the_kv_bits_are_remembered_and_turn_only_on_a_clear_gain(tmp_path, monk
     ratios added up favor them; remembered per kernel (nothing timed at later launches); a measurement
     with another kernel library keeps the earlier choice near the threshold."""
     _library()
-    monkeypatch.setitem(stepops._chosen, "amx attention", False)
+    monkeypatch.setitem(stepops._chosen, "attention", "vectors")
     old_key = kernels._LIBRARY_ID.sub("|kernels 000000000000", kernels.record_key("kv bits 9x3x64", "vectors"))
     cases = (
         ((1.3, 0.9), None, 8), ((1.05, 1.0), None, 16), ((1.15, 0.8), None, 16),  # measured afresh

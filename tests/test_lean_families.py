@@ -142,31 +142,33 @@ def test_greedy_tree_decoding_equals_plain_in_4_bits(family, kernel):
     _tree_equals_plain(backend)
 
 
+@pytest.mark.parametrize("attention", ["amx", "dot"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_tree_decoding_equals_plain_with_attention_on_amx(family, monkeypatch):
-    """The library's decoder with attention on AMX (its scores, and its weighted values in layers
-    without a sliding window: Gemma 3 has both kinds, Mistral only windowed ones): a tree's nodes
-    get the bits of one-token steps, and a prompt's blocks those of its steps."""
+def test_greedy_tree_decoding_equals_plain_with_attention_on_amx(family, attention, monkeypatch):
+    """The library's decoder with attention on AMX, or AMX's in AVX-512 bf16 and VNNI products (its
+    scores, and its weighted values in layers without a sliding window: Gemma 3 has both kinds,
+    Mistral only windowed ones): a tree's nodes get the bits of one-token steps, and a prompt's
+    blocks those of its steps."""
     require_kernel("q4", torch.bfloat16)
-    if not stepops.can_amx_attention():
-        pytest.skip("this CPU (or its Linux) does not give AMX's bf16 products")
-    monkeypatch.setitem(stepops._chosen, "amx attention", True)
+    if not stepops.can_attend_with(attention):
+        pytest.skip(f"this CPU (or its Linux) does not run the {attention} attention kernel")
+    monkeypatch.setitem(stepops._chosen, "attention", attention)
     backend = lean(family, "q4")
-    assert backend.forward.native is not None and "AMX attention" in backend.describe()
+    assert backend.forward.native is not None and stepops.NAMES[attention] in backend.describe()
     _tree_equals_plain(backend)
     _blocks_equal_steps(backend)
 
 
-@pytest.mark.parametrize("attention", ["vectors", "amx"])
+@pytest.mark.parametrize("attention", ["vectors", "amx", "dot"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_tree_decoding_equals_plain_with_8_bit_keys_and_values(family, attention, monkeypatch):
     """The library's decoder on an 8-bit cache (each row's int8 values and scale), its attention in
     vectors or on AMX: a tree's nodes get the bits of one-token steps, a prompt's blocks those of
     its steps, and the first logits stay within bf16 noise of a bf16 cache's."""
     require_kernel("q4", torch.bfloat16)
-    if attention == "amx" and not stepops.can_amx_attention():
-        pytest.skip("this CPU (or its Linux) does not give AMX's bf16 products")
-    monkeypatch.setitem(stepops._chosen, "amx attention", attention == "amx")
+    if not stepops.can_attend_with(attention):
+        pytest.skip(f"this CPU (or its Linux) does not run the {attention} attention kernel")
+    monkeypatch.setitem(stepops._chosen, "attention", attention)
     monkeypatch.setitem(stepops._chosen, "kv bits", 8)
     backend = lean(family, "q4")
     assert backend.forward.native is not None and "8-bit KV" in backend.describe()

@@ -146,20 +146,21 @@ def test_without_a_compiler_the_reason_is_given_and_torch_int4_stays(fresh, monk
 
 
 def ops_or_skip(variant: str) -> stepops.Ops:
-    """The step ops of a variant, or of "amx" (AVX-512 with attention on AMX: its scores and values)."""
-    amx = variant == "amx"
-    if amx and not (loaded() and stepops.can_amx_attention()):
-        pytest.skip("this CPU (or its Linux) does not give AMX's bf16 products")
-    if not amx and variant not in variants():
+    """The step ops of a variant, or of an attention kernel beyond vectors ("amx": AVX-512 with
+    attention on AMX, its scores and values; "dot": the same in AVX-512's bf16 and VNNI products)."""
+    tiles = variant in stepops.NAMES
+    if tiles and not (loaded() and stepops.can_attend_with(variant)):
+        pytest.skip(f"this CPU (or its Linux) does not run the {variant} attention kernel")
+    if not tiles and variant not in variants():
         pytest.skip(f"this CPU does not run the {variant} variant")
     loaded()
     ops = stepops.ops(torch.bfloat16)
-    ops.variant = q4.ISAS["avx512-vnni"] | stepops.AMX_SCORES | stepops.AMX_VALUES if amx else q4.ISAS[variant]
+    ops.variant = q4.ISAS["avx512-vnni"] | stepops.KERNELS[variant] if tiles else q4.ISAS[variant]
     return ops
 
 
 @pytest.mark.parametrize("bits", [16, 8])
-@pytest.mark.parametrize("variant", ["avx512-vnni", "avx2", "amx"])
+@pytest.mark.parametrize("variant", ["avx512-vnni", "avx2", "amx", "dot"])
 @pytest.mark.parametrize(
     "heads, kv, d, past", [(6, 2, 32, 37), (9, 3, 64, 1001), (4, 1, 48, 150), (8, 2, 128, 300), (9, 3, 64, 1535)]
 )

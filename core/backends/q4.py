@@ -36,7 +36,8 @@ from core.backends.quantize import GROUP, reference
 
 NATIVE = Path(__file__).parent / "native"
 SOURCES = tuple(
-    NATIVE / f"{name}.c" for name in ("q4gemm", "avx2", "amx", "attend", "attend_amx", "attend_amx8", "step", "decode")
+    NATIVE / f"{name}.c"
+    for name in ("q4gemm", "avx2", "amx", "attend", "attend_amx", "attend_amx8", "attend_dot", "step", "decode")
 )  # compiled together, with the headers
 HEADERS = (NATIVE / "common.h", NATIVE / "attend_amx.h")
 VERSION = 20  # q4_version() of the source above

@@ -14,8 +14,12 @@ from core.cpuinfo import cpu_flags
 HEAD_STEP, MAX_HEAD = 16, 512  # the head sizes the attention kernel takes (step.c)
 AMX_SCORES, AMX_VALUES = 4, 8  # added to the variant's number: attention on AMX (attend_amx.c)
 KV8 = 16  # added too: keys and values in 8 bits (an 8-bit `StaticKV`, common.h's KV8_ROW)
+DOT = 32  # added too, with AMX's: AMX's attention with its tile products in AVX-512 vectors (attend_dot.c)
 AMX_HEAD_STEP = 32  # the head sizes AMX's attention takes are multiples of this (common.h's amx_mode)
-_chosen = {"amx attention": False, "kv bits": 16}
+# The attention kernels: in vectors (attend.c), on AMX's tiles, or AMX's in AVX-512 bf16 and VNNI products
+KERNELS = {"vectors": 0, "amx": AMX_SCORES | AMX_VALUES, "dot": AMX_SCORES | AMX_VALUES | DOT}
+NAMES = {"amx": "AMX attention", "dot": "bf16-dot attention"}  # how a forward names them (vectors: nothing)
+_chosen = {"attention": "vectors", "kv bits": 16}
 
 
 class Ops:
@@ -24,14 +28,16 @@ class Ops:
 
     MAX_ROWS = 64  # longer blocks (a prompt's prefill) keep torch's attention
 
-    def __init__(self, lib: ctypes.CDLL, amx_attention: bool | None = None) -> None:
-        """`amx_attention`: attention on AMX (None: as `use_amx_attention` chose last)."""
-        on = _chosen["amx attention"] if amx_attention is None else amx_attention and can_amx_attention()
-        self.lib, self.variant = lib, ISAS[isa()] | (AMX_SCORES | AMX_VALUES if on else 0)
+    def __init__(self, lib: ctypes.CDLL, attention: str | None = None) -> None:
+        """`attention`: the attention kernel, one of `KERNELS` (None: as `use_attention` chose
+        last; one this CPU cannot run: vectors)."""
+        kernel = _chosen["attention"] if attention is None else attention if can_attend_with(attention) else "vectors"
+        self.lib, self.kernel, self.variant = lib, kernel, ISAS[isa()] | KERNELS[kernel]
 
-    def amx_attention(self, head_dim: int) -> bool:
-        """Whether attention over heads of `head_dim` runs on AMX."""
-        return bool(self.variant & AMX_SCORES) and amx_heads(head_dim)
+    def attention_kernel(self, head_dim: int) -> str:
+        """The kernel that attends over heads of `head_dim` (the tiles' kernels take multiples of
+        `AMX_HEAD_STEP`; vectors elsewhere)."""
+        return self.kernel if amx_heads(head_dim) else "vectors"
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         """(rows, n) bf16 with contiguous rows → the same shape, normalized. A bf16 `weight`:
@@ -89,17 +95,26 @@ def amx_heads(head_dim: int) -> bool:
     return head_dim % AMX_HEAD_STEP == 0 and Ops.attends(head_dim)
 
 
-def can_amx_attention() -> bool:
-    """Whether attention may run on AMX here (attend_amx.c): the many-row passes may (`q4.amx`)
-    and the CPU has AMX's bf16 products and AVX-512's bf16 conversions."""
-    return {"amx_bf16", "avx512_bf16"} <= cpu_flags() and amx() and library().q4_amx_attention() == 0
+def can_attend_with(kernel: str) -> bool:
+    """Whether the attention kernel `kernel` (one of `KERNELS`) runs here: vectors everywhere;
+    "amx" where the many-row passes may run on AMX (`q4.amx`) and the CPU has AMX's bf16 products
+    and AVX-512's bf16 conversions; "dot" where the AVX-512 variant runs and the CPU has AVX-512's
+    bf16 and VNNI products (attend_dot.c). Both need a library built with them."""
+    if kernel == "vectors":
+        return True
+    lib = library()
+    if kernel not in KERNELS or lib is None or isa() != "avx512-vnni" or lib.q4_amx_attention() != 0:
+        return False
+    if kernel == "amx":
+        return {"amx_bf16", "avx512_bf16"} <= cpu_flags() and amx()
+    return {"avx512_bf16", "avx512_vnni"} <= cpu_flags()
 
 
-def use_amx_attention(on: bool) -> None:
-    """The models loaded from now on run attention on AMX (on) or in vectors, where
-    `can_amx_attention()`. A model keeps its choice for its whole session: the two differ in their
+def use_attention(kernel: str) -> None:
+    """The models loaded from now on attend with `kernel` (one of `KERNELS`; vectors where
+    `can_attend_with` says no). A model keeps its kernel for its whole session: they differ in their
     last bits, and a kept cache must be read with the kernel that wrote it."""
-    _chosen["amx attention"] = bool(on) and can_amx_attention()
+    _chosen["attention"] = kernel if can_attend_with(kernel) else "vectors"
 
 
 def use_kv_bits(bits: int) -> None:

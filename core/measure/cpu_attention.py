@@ -1,6 +1,6 @@
 """How a model's steps attend on a CPU, measured here and remembered (in `kernels`' record):
-attention on AMX or in vectors (`amx_attention`), keys and values in bf16 or in 8 bits
-(`kv_bits`).
+the attention kernel — in vectors, on AMX, or AMX's in AVX-512 bf16 and VNNI products
+(`attention_kernel`) — and keys and values in bf16 or in 8 bits (`kv_bits`).
 
 Both are timed as a step at a long context meets them: over the keys and values of `CONTEXT`
 tokens in the model's layers (up to `TIMED` bytes in bf16, in parts of `KEYS` keys), more than the
@@ -31,7 +31,7 @@ KV8_GAIN = 1.1  # 8-bit keys and values are taken where a one-token step's atten
 
 
 def use_measured(config, int4: bool, record: Path) -> None:
-    """The step ops' attention choices for the models loaded next (`stepops.use_amx_attention`,
+    """The step ops' attention choices for the models loaded next (`stepops.use_attention`,
     `stepops.use_kv_bits`), measured for `config`'s heads or remembered; 8-bit keys and values only
     with `int4` (the library's decoder reads them). Nothing changes for a config without heads."""
     heads = getattr(config, "num_attention_heads", None)
@@ -40,35 +40,39 @@ def use_measured(config, int4: bool, record: Path) -> None:
     dim = head_size(config)
     kv = getattr(config, "num_key_value_heads", None) or heads
     layers = getattr(config, "num_hidden_layers", 1)
-    stepops.use_amx_attention(amx_attention(heads, kv, dim, layers, record))
+    stepops.use_attention(attention_kernel(heads, kv, dim, layers, record))
     stepops.use_kv_bits(kv_bits(heads, kv, dim, layers, record) if int4 else 16)
 
 
-def amx_attention(heads: int, kv_heads: int, head_dim: int, layers: int, record: Path) -> bool:
-    """Whether attention runs on AMX here (`stepops.use_amx_attention`): whether a one-token step's
-    and a 16-row block's attention take less time so, added up, and a one-token step loses no more
-    than `ONE_ROW_LOSS` (what decoding runs most); bf16 keys and values. Measured once per machine,
-    shape and kernel library, and remembered; a new measurement turns an earlier choice over only
-    when the ratio is clearly on the other side."""
-    if not stepops.amx_heads(head_dim) or not stepops.can_amx_attention():
-        return False
+def attention_kernel(heads: int, kv_heads: int, head_dim: int, layers: int, record: Path) -> str:
+    """The attention kernel the models run here (`stepops.use_attention`): of those the CPU runs
+    (`stepops.KERNELS`), the one whose one-token step's and 16-row block's attention take the least
+    time added up, timed against vectors by turns, where a one-token step loses no more than
+    `ONE_ROW_LOSS` to vectors (what decoding runs most); bf16 keys and values. Measured once per
+    machine, shape and kernel library, and remembered; a new measurement turns an earlier choice
+    over only when another kernel is clearly faster."""
+    kernels = [kernel for kernel in ("amx", "dot") if stepops.can_attend_with(kernel)]
+    if not stepops.amx_heads(head_dim) or not kernels:
+        return "vectors"
 
-    def decide(earlier: bool | None) -> bool:
-        ratio = _amx_ratio(heads, kv_heads, head_dim, layers)  # the vector kernel's time over AMX's
-        return earlier if earlier is not None and abs(ratio - 1) < CLEAR_WIN - 1 else ratio > 1
+    def decide(earlier: str | None) -> str:
+        gains = {kernel: _gain(kernel, heads, kv_heads, head_dim, layers) for kernel in kernels}
+        gains["vectors"] = 1.0  # each kernel's: the vector kernel's time over its own
+        best = max(gains, key=gains.get)
+        return earlier if earlier in gains and gains[best] / gains[earlier] < CLEAR_WIN else best
 
-    return recall(record, record_key(f"amx attention {heads}x{kv_heads}x{head_dim}"), bool, decide)
+    return recall(record, record_key(f"attention kernel {heads}x{kv_heads}x{head_dim}"), str, decide)
 
 
 def kv_bits(heads: int, kv_heads: int, head_dim: int, layers: int, record: Path) -> int:
     """The bits of the keys and values a model's cache keeps here (`stepops.use_kv_bits`): 8 where a
     one-token step's attention takes `KV8_GAIN` less time with them than in bf16 and a one-token
     step's and a 16-row block's take less time so, added up, timed with the attention kernel the
-    model runs (chosen first: `amx_attention`); else 16. Measured once per machine, shape and kernel, and
+    model runs (chosen first: `attention_kernel`); else 16. Measured once per machine, shape and kernel, and
     remembered; a new measurement near the threshold keeps the earlier choice."""
     if not stepops.Ops.attends(head_dim) or q4.library() is None:
         return 16
-    kernel = "amx" if stepops.Ops(q4.library()).amx_attention(head_dim) else "vectors"
+    kernel = stepops.Ops(q4.library()).attention_kernel(head_dim)
 
     def decide(earlier: int | None) -> int:
         one, many = _kv8_ratios(heads, kv_heads, head_dim, layers)  # bf16's time over 8-bit's
@@ -79,11 +83,12 @@ def kv_bits(heads: int, kv_heads: int, head_dim: int, layers: int, record: Path)
     return recall(record, record_key(f"kv bits {heads}x{kv_heads}x{head_dim}", kernel), int, decide)
 
 
-def _amx_ratio(heads: int, kv_heads: int, head_dim: int, layers: int) -> float:
-    """The vector kernel's median time over AMX's for one row and for 16 rows, added up; or the
-    one-row ratio where AMX loses more than `ONE_ROW_LOSS` there."""
+def _gain(kernel: str, heads: int, kv_heads: int, head_dim: int, layers: int) -> float:
+    """The vector kernel's median time over `kernel`'s for one row and for 16 rows, added up; or the
+    one-row ratio where `kernel` loses more than `ONE_ROW_LOSS` there."""
     caches, lib = _caches(kv_heads, head_dim, layers, 16), q4.library()
-    one, many = _ratios(heads, head_dim, {on: (stepops.Ops(lib, amx_attention=on), caches) for on in (False, True)})
+    runs = {on: (stepops.Ops(lib, attention=kernel if on else "vectors"), caches) for on in (False, True)}
+    one, many = _ratios(heads, head_dim, runs)
     return one if one < 1 - ONE_ROW_LOSS else (one + many) / 2
 
 

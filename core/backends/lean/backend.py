@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from core.backends import q4
+from core.backends import q4, stepops
 from core.backends.base import DenseLogits, Logits, OnModel, RowLogits, Taps, project
 from core.backends.lean.forward import LeanForward
 from core.backends.lean.kv import StaticKV
@@ -44,7 +44,8 @@ class LeanBackend(OnModel):
         whole = " in one call" if self.forward.native is not None else ""
         flavors = q4.flavors(self._amx_rows()) if {kernel, head} & {"q4", "q8"} else ""
         ops = self.forward.layers[0].ops if self.forward.layers else None
-        scores = ", AMX attention" if ops is not None and ops.amx_attention(self.forward.layers[0].head_dim) else ""
+        attention = ops.attention_kernel(self.forward.layers[0].head_dim) if ops is not None else "vectors"
+        scores = f", {stepops.NAMES[attention]}" if attention in stepops.NAMES else ""
         kv = ", 8-bit KV" if self.forward.kv_bits == 8 and self.forward.native is not None else ""
         return f"lean, {kernel} layers{whole}, {head} lm_head{' by node' if self.row_head else ''}{flavors}{scores}{kv}"
 

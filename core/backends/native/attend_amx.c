@@ -55,7 +55,7 @@ TAMXB void q4_amx_end(void) { _tile_release(); }
  * `scale`; rows' entries from `length` on are 0 (WEIGHTED hides them). Scratch: tile (256
  * floats), qt (8·d: the queries as tile B, d / 32 tiles), tail (16·d bf16: the last keys,
  * zero-padded, so that no tile reads past the cache's `length`). */
-TAMXB static void scores_amx(int64_t n, int64_t d, const uint16_t *const *q, float scale, const uint16_t *k,
+TAMXB static void scores_amx(int dot, int64_t n, int64_t d, const uint16_t *const *q, float scale, const uint16_t *k,
                              const uint16_t *v, int64_t length, int64_t padded, float *tile, uint32_t *qt,
                              uint16_t *tail, float *s) {
   int64_t chunks = d / 32;
@@ -75,13 +75,21 @@ TAMXB static void scores_amx(int64_t n, int64_t d, const uint16_t *const *q, flo
       _mm_prefetch((const char *)(k + (j0 + AHEAD) * d) + b, _MM_HINT_T0);
       if (v) _mm_prefetch((const char *)(v + (j0 + AHEAD) * d) + b, _MM_HINT_T1);
     }
-    _tile_zero(0);
-    for (int64_t c = 0; c < chunks; c++) {
-      _tile_loadd(1, rows + 32 * c, d * (int64_t)sizeof(uint16_t));
-      _tile_loadd(2, qt + c * 256, 64);
-      _tile_dpbf16ps(0, 1, 2);
+    if (dot && n < DOT_FEW) { /* a lane a key (attend_dot.c) */
+      q4_dot_scores_few(n, d, qt, rows, scale, s + j0, padded);
+      continue;
     }
-    _tile_stored(0, tile, 64); /* a row a key, a lane a query */
+    if (dot) {
+      q4_dot_scores(d, qt, rows, tile);
+    } else {
+      _tile_zero(0);
+      for (int64_t c = 0; c < chunks; c++) {
+        _tile_loadd(1, rows + 32 * c, d * (int64_t)sizeof(uint16_t));
+        _tile_loadd(2, qt + c * 256, 64);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, tile, 64); /* a row a key, a lane a query */
+    }
     if (n > 4) { /* a row a query: the tile transposed, or for a few queries their columns gathered */
       __m512 r[16];
       for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(tile + 16 * i);
@@ -139,8 +147,30 @@ static void in_order(const float *sums, int tiles, int kv8, float *out) {
     for (int n = 0; n < 16; n++) out[16 * (t & ~1) + 8 * (n / 4) + 4 * (t & 1) + n % 4] = sums[16 * t + n];
 }
 
+/* A pass's C tiles 0-3: the tile unit's, or with `dot` (attend_dot.c's products) 16 rows of 64
+ * floats at c (tile t's row r at r · 64 + 16t), of which the first `rows` count. */
+typedef struct {
+  int dot, rows;
+  float *c;
+} sums;
+
+TAMXB static inline void zero(const sums *u) {
+  if (u->dot) {
+    memset(u->c, 0, sizeof(float) * 64 * (size_t)u->rows);
+    return;
+  }
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
 /* C tiles 0..tiles-1 += tile A (at a, row stride lda bytes) × the B tiles at `pairs`. */
-TAMXB static inline void product(int tiles, const void *a, int64_t lda, const uint16_t *pairs) {
+TAMXB static inline void product(const sums *u, int tiles, const void *a, int64_t lda, const uint16_t *pairs) {
+  if (u->dot) {
+    q4_dot_product(u->rows, tiles, a, lda, pairs, u->c);
+    return;
+  }
   _tile_loadd(4, a, lda);
   _tile_loadd(5, pairs, 64);
   _tile_dpbf16ps(0, 4, 5);
@@ -154,21 +184,30 @@ TAMXB static inline void product(int tiles, const void *a, int64_t lda, const ui
   }
 }
 
-TAMXB static inline void sums_to(int tiles, float *c, int64_t ldc) {
-  _tile_stored(0, c, ldc);
-  _tile_stored(1, c + 16, ldc);
-  if (tiles == 4) {
-    _tile_stored(2, c + 32, ldc);
-    _tile_stored(3, c + 48, ldc);
+/* c (rows ldc bytes apart) ← the C tiles (`to`), or the C tiles ← c. */
+TAMXB static inline void move(const sums *u, int to, int tiles, float *c, int64_t ldc) {
+  if (u->dot) {
+    for (int r = 0; r < u->rows; r++)
+      if (to)
+        memcpy(c + r * ldc / 4, u->c + r * 64, sizeof(float) * 16 * (size_t)tiles);
+      else
+        memcpy(u->c + r * 64, c + r * ldc / 4, sizeof(float) * 16 * (size_t)tiles);
+    return;
   }
-}
-
-TAMXB static inline void sums_from(int tiles, const float *c, int64_t ldc) {
-  _tile_loadd(0, c, ldc);
-  _tile_loadd(1, c + 16, ldc);
-  if (tiles == 4) {
-    _tile_loadd(2, c + 32, ldc);
-    _tile_loadd(3, c + 48, ldc);
+  if (to) {
+    _tile_stored(0, c, ldc);
+    _tile_stored(1, c + 16, ldc);
+    if (tiles == 4) {
+      _tile_stored(2, c + 32, ldc);
+      _tile_stored(3, c + 48, ldc);
+    }
+  } else {
+    _tile_loadd(0, c, ldc);
+    _tile_loadd(1, c + 16, ldc);
+    if (tiles == 4) {
+      _tile_loadd(2, c + 32, ldc);
+      _tile_loadd(3, c + 48, ldc);
+    }
   }
 }
 
@@ -194,13 +233,14 @@ static int in_place(const uint16_t *mask, int64_t from, int64_t open, int64_t le
  * sum came out the same whatever the slots (the tests pass with no query's own products), as if
  * each product were aligned to the largest and truncated, but Intel does not say so: the slots
  * are kept. */
-TAMXB static void values_amx(int64_t n, int64_t d, const char *v, int kv8, const uint16_t *wide,
+TAMXB static void values_amx(int dot, int64_t n, int64_t d, const char *v, int kv8, const uint16_t *wide,
                              const float *wide_units, int64_t length, int64_t open,
                              const uint16_t *const *mask, int64_t from, const float *p, int64_t padded, float *acc,
                              float *scratch) {
   int64_t p32 = (length + 31) / 32 * 32, shared = open / 32 * 32, bytes = kv8 ? KV8_ROW(d) : 2 * d;
   uint16_t *pb = (uint16_t *)scratch, *pairs = pb + 16 * p32, *row = pairs + 4 * 512;
   float *cs = (float *)(row + 16 * 32), *units = cs + 17 * 64; /* units: the keys' value scales (8-bit) */
+  sums all = {dot, (int)n, units + p32}, one = {dot, 1, units + p32}; /* every query's products; one query's */
   int own[AMX_QUERIES] = {0};
   memset(pb, 0, sizeof(uint16_t) * (size_t)(n * p32)); /* rows from n on: any values (their sums are not read) */
   memset(row, 0, sizeof(uint16_t) * 16 * 32);
@@ -216,22 +256,19 @@ TAMXB static void values_amx(int64_t n, int64_t d, const char *v, int kv8, const
   int64_t keys[32];
   for (int64_t c = 0; c < d; c += 64) {
     int tiles = d - c >= 64 ? 4 : 2;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    zero(&all);
     for (int64_t kb = 0; kb < p32; kb += 32) {
       for (int64_t b = 0; c == 0 && !wide && kb + 64 <= length && b < 32 * bytes; b += 64) /* the values ahead */
         _mm_prefetch(v + (kb + 32) * bytes + b, _MM_HINT_T0);
       for (int j = 0; j < 32; j++) keys[j] = kb + j < length ? kb + j : -1;
       const uint16_t *b = wide ? wide + kb * d + c * 32 : b_tiles(v, kv8, d, keys, c, tiles, pairs);
-      product(tiles, pb + kb, p32 * (int64_t)sizeof(uint16_t), b);
+      product(&all, tiles, pb + kb, p32 * (int64_t)sizeof(uint16_t), b);
     }
-    sums_to(tiles, cs, 256);
+    move(&all, 1, tiles, cs, 256);
     for (int64_t m = 0; m < n; m++) {
       if (own[m]) { /* its sums so far (row m) go on in row 0 */
         memcpy(cs + 16 * 64, cs + m * 64, sizeof(float) * 64);
-        sums_from(tiles, cs + 16 * 64, 256);
+        move(&one, 0, tiles, cs + 16 * 64, 256);
         int64_t next = open; /* its next key from `open` on */
         for (int64_t kb = shared; kb < p32 && next < length; kb += 32) {
           for (int j = 0; j < 32; j++) {
@@ -244,9 +281,9 @@ TAMXB static void values_amx(int64_t n, int64_t d, const char *v, int kv8, const
             float w = key < 0 ? 0.0f : kv8 ? p[m * padded + key] * units[key] : p[m * padded + key];
             row[j] = key >= 0 ? float_to_bf16(w) : 0; /* as the shared products' (round_bf512's rounding) */
           }
-          product(tiles, row, 64, b_tiles(v, kv8, d, keys, c, tiles, pairs));
+          product(&one, tiles, row, 64, b_tiles(v, kv8, d, keys, c, tiles, pairs));
         }
-        sums_to(tiles, cs + 16 * 64, 256);
+        move(&one, 1, tiles, cs + 16 * 64, 256);
         in_order(cs + 16 * 64, tiles, kv8, acc + m * d + c);
       } else {
         in_order(cs + m * 64, tiles, kv8, acc + m * d + c);
@@ -265,22 +302,24 @@ TAMXB void q4_part_amx(int amx, int kv8, int64_t n, int64_t d, const uint16_t *c
                        const void *v, const uint16_t *wide, const float *wide_units, int64_t from, int64_t to,
                        int64_t open, const uint16_t *const *mask, float *scores, float *scratch, float *top,
                        float *total, float *acc) {
+  int dot = amx & AMX_DOT; /* the products in vectors (attend_dot.c) */
+  amx &= ~AMX_DOT;
   int64_t length = to - from, padded = (length + KEYS16 - 1) / KEYS16 * KEYS16, bytes = kv8 ? KV8_ROW(d) : 2 * d;
   uint32_t *qt = (uint32_t *)(scratch + 256);
   const char *kp = (const char *)k + from * bytes, *vp = (const char *)v + from * bytes;
   if (kv8) {
     const int8_t *ahead = wide ? 0 : (const int8_t *)vp; /* values to prefetch with the keys (not yet widened) */
-    q4_scores_amx8(n, d, q, scale, (const int8_t *)kp, ahead, length, padded, scratch, (int8_t *)qt,
+    q4_scores_amx8(dot, n, d, q, scale, (const int8_t *)kp, ahead, length, padded, scratch, (int8_t *)qt,
                 (int8_t *)(qt + 8 * d), (float *)(qt + 24 * d), scores);
     weighted512_8(n, d, v, from, to, open, mask, scores, top, total, amx == 2 ? 0 : acc);
   } else {
-    scores_amx(n, d, q, scale, (const uint16_t *)kp, (const uint16_t *)vp, length, padded, scratch, qt,
+    scores_amx(dot, n, d, q, scale, (const uint16_t *)kp, (const uint16_t *)vp, length, padded, scratch, qt,
                (uint16_t *)(qt + 8 * d), scores);
     weighted512(n, d, v, from, to, open, mask, scores, top, total, amx == 2 ? 0 : acc);
   }
   if (amx == 2) {
     int64_t seen = open - from < 0 ? 0 : open - from > length ? length : open - from;
-    values_amx(n, d, vp, kv8, wide ? wide + from * d : 0, wide ? wide_units + from : 0, length, seen, mask, from,
+    values_amx(dot, n, d, vp, kv8, wide ? wide + from * d : 0, wide ? wide_units + from : 0, length, seen, mask, from,
                scores, padded, acc,
                scratch + 256 + 24 * d + 64);
   }

@@ -35,9 +35,20 @@ TAMXB static inline void transpose16(__m512 r[16]) {
 }
 
 /* attend_amx8.c's: the scores of an 8-bit cache's keys, and 8-bit values as B tiles. */
-TAMXB void q4_scores_amx8(int64_t n, int64_t d, const uint16_t *const *q, float scale, const int8_t *k,
+TAMXB void q4_scores_amx8(int dot, int64_t n, int64_t d, const uint16_t *const *q, float scale, const int8_t *k,
                           const int8_t *v,
                           int64_t length, int64_t padded, float *tile, int8_t *qt, int8_t *tail, float *qs,
                           float *s);
 TAMXB void q4_pairs8(const int8_t *const *rows, int64_t c, int tiles, uint16_t *out);
+
+/* attend_dot.c's: the tile products in AVX-512 vectors (`dot`: a pass on a CPU without AMX). A
+ * pass of fewer queries than DOT_FEW makes its scores a lane a key. */
+#define DOT_FEW 8
+TAMXB void q4_dot_product(int rows, int tiles, const void *a, int64_t lda, const uint16_t *pairs, float *c);
+TAMXB void q4_dot_scores(int64_t d, const uint32_t *qt, const uint16_t *rows, float *tile);
+TAMXB void q4_dot_scores_few(int64_t n, int64_t d, const uint32_t *qt, const uint16_t *rows, float scale, float *s,
+                             int64_t padded);
+TAMXB void q4_dot_scores8(int64_t d, const uint32_t *qt, const int8_t *rows, int64_t row, int32_t *tile);
+TAMXB void q4_dot_scores8_few(int64_t n, int64_t d, const uint32_t *qt, const int8_t *rows, int64_t row,
+                              const float *ks, const float *qs, float *s, int64_t padded);
 #endif

@@ -15,7 +15,7 @@ void q4_pair_values(const int8_t *rows, int64_t d, int64_t count, uint16_t *out,
  * the queries' dims in fours side by side); a score is then that integer × the key's scale × the
  * query's scale × `scale`, in that order. Scratch as scores_amx's, the queries' scales in qs; v as
  * scores_amx's. */
-TAMXB void q4_scores_amx8(int64_t n, int64_t d, const uint16_t *const *q, float scale, const int8_t *k,
+TAMXB void q4_scores_amx8(int dot, int64_t n, int64_t d, const uint16_t *const *q, float scale, const int8_t *k,
                               const int8_t *v, int64_t length, int64_t padded, float *tile, int8_t *qt, int8_t *tail,
                               float *qs, float *s) {
   int64_t chunks = d / 64, row = KV8_ROW(d);
@@ -44,15 +44,23 @@ TAMXB void q4_scores_amx8(int64_t n, int64_t d, const uint16_t *const *q, float 
       _mm_prefetch((const char *)(k + (j0 + AHEAD) * row) + b, _MM_HINT_T0);
       if (v) _mm_prefetch((const char *)(v + (j0 + AHEAD) * row) + b, _MM_HINT_T1);
     }
-    _tile_zero(0);
-    for (int64_t c = 0; c < chunks; c++) {
-      _tile_loadd(1, rows + 64 * c, row);
-      _tile_loadd(2, qt + c * 1024, 64);
-      _tile_dpbssd(0, 1, 2);
-    }
-    _tile_stored(0, tile, 64); /* a row a key, a lane a query: integers */
     float ks[KEYS16];
     for (int i = 0; i < KEYS16; i++) ks[i] = kv8_scale(rows + i * row, d);
+    if (dot && n < DOT_FEW) { /* a lane a key (attend_dot.c) */
+      q4_dot_scores8_few(n, d, (const uint32_t *)qt, rows, row, ks, qs, s + j0, padded);
+      continue;
+    }
+    if (dot) {
+      q4_dot_scores8(d, (const uint32_t *)qt, rows, row, (int32_t *)tile);
+    } else {
+      _tile_zero(0);
+      for (int64_t c = 0; c < chunks; c++) {
+        _tile_loadd(1, rows + 64 * c, row);
+        _tile_loadd(2, qt + c * 1024, 64);
+        _tile_dpbssd(0, 1, 2);
+      }
+      _tile_stored(0, tile, 64); /* a row a key, a lane a query: integers */
+    }
     const __m512 keys = _mm512_loadu_ps(ks);
     if (n > 4) {
       __m512 r[16];

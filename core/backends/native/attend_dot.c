@@ -1,0 +1,138 @@
+/* attend_amx.c's tile products made in AVX-512 vectors (`vdpbf16ps`, `vpdpbusd`): the same
+ * attention on a CPU with AVX-512's bf16 and VNNI products and no AMX (AMD's Zen 4 and later,
+ * Intel's Cooper Lake), ISA_DOT in a variant's number.
+ *
+ * A tile product's lane (one key and one query, or one query and one dim) is here one vector
+ * lane: a chain of `vdpbf16ps` over the head's dims two at a time, in order (each adding two
+ * exact bf16 products), or of `vpdpbusd` over four int8 dims at a time (exact integers). Such a
+ * lane's bits do not depend on which operand is the broadcast one, so the scores of a block of
+ * many queries take a key's pair broadcast against 16 queries' (a lane a query, as AMX's tile),
+ * those of a few queries a query's pair against 16 keys transposed in registers (a lane a key):
+ * the same bits either way, and a tree's node gets those of a one-token step. A weighted value's
+ * lane sums its 32 keys' products in order, one pair at a time: the slots' discipline AMX needs
+ * (values_amx) holds here too. The bits differ from AMX's in the weighted values' last places
+ * (another order of sums) and equal them in the 8-bit scores (exact integers, scaled alike).
+ */
+#include "attend_amx.h"
+
+#if Q4_NEW_ISAS
+/* The tiles' target; AMX's own instructions are not used here (the caller checks the CPU's
+ * AVX-512 BF16 and VNNI). */
+#define TDOT TAMXB
+
+/* c (16 rows × 64 floats: tile t's row r at r · 64 + 16t) += A × B for A's rows [r0, r0 + G)
+ * (row r at a + r · lda bytes: 16 pairs of bf16, the keys 2p and 2p + 1 of a 32-key block) and the
+ * B tiles at `pairs` (T of them, each 16 rows p × 16 dims × 2 keys), pair by pair in order. */
+TDOT static inline __attribute__((always_inline)) void product_g(const int G, const int T, int r0, const void *a,
+                                                                int64_t lda, const uint16_t *pairs, float *c) {
+  __m512 acc[4][4];
+  for (int r = 0; r < G; r++)
+    for (int t = 0; t < T; t++) acc[r][t] = _mm512_loadu_ps(c + (r0 + r) * 64 + 16 * t);
+  for (int p = 0; p < 16; p++) {
+    __m512bh b[4];
+    for (int t = 0; t < T; t++) b[t] = (__m512bh)_mm512_loadu_si512(pairs + t * 512 + p * 32);
+    for (int r = 0; r < G; r++) {
+      __m512bh x = (__m512bh)_mm512_set1_epi32(*(const int *)((const char *)a + (r0 + r) * lda + 4 * p));
+      for (int t = 0; t < T; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], x, b[t]);
+    }
+  }
+  for (int r = 0; r < G; r++)
+    for (int t = 0; t < T; t++) _mm512_storeu_ps(c + (r0 + r) * 64 + 16 * t, acc[r][t]);
+}
+
+/* The emulated `tdpbf16ps` of attend_amx.c's weighted values: c += A × B (product_g's) for A's
+ * first `rows` rows and `tiles` (2 or 4) B tiles. */
+TDOT void q4_dot_product(int rows, int tiles, const void *a, int64_t lda, const uint16_t *pairs, float *c) {
+  int r0 = 0;
+  for (; r0 + 4 <= rows; r0 += 4) tiles == 4 ? product_g(4, 4, r0, a, lda, pairs, c) : product_g(4, 2, r0, a, lda, pairs, c);
+  for (; r0 < rows; r0++) tiles == 4 ? product_g(1, 4, r0, a, lda, pairs, c) : product_g(1, 2, r0, a, lda, pairs, c);
+}
+
+/* tile (16 keys × 16 queries, a row a key) = the bf16 dot products of 16 keys (rows d apart) with
+ * the queries in qt (scores_amx's B layout: pair i of query m at qt[16i + m]), 8 keys at a time. */
+TDOT void q4_dot_scores(int64_t d, const uint32_t *qt, const uint16_t *rows, float *tile) {
+  for (int r0 = 0; r0 < KEYS16; r0 += 8) {
+    __m512 acc[8];
+    for (int r = 0; r < 8; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d / 2; i++) {
+      __m512bh qp = (__m512bh)_mm512_loadu_si512(qt + 16 * i);
+      for (int r = 0; r < 8; r++) {
+        uint32_t k;
+        memcpy(&k, rows + (r0 + r) * d + 2 * i, sizeof k);
+        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)k), qp);
+      }
+    }
+    for (int r = 0; r < 8; r++) _mm512_storeu_ps(tile + 16 * (r0 + r), acc[r]);
+  }
+}
+
+/* s (n rows of `padded`, from the block's first key) = the same products for n queries, a lane a
+ * key (16 keys' pairs transposed in registers), times `scale`. */
+TDOT void q4_dot_scores_few(int64_t n, int64_t d, const uint32_t *qt, const uint16_t *rows, float scale, float *s,
+                            int64_t padded) {
+  __m512 acc[AMX_QUERIES];
+  for (int64_t m = 0; m < n; m++) acc[m] = _mm512_setzero_ps();
+  for (int64_t h = 0; h < d / 32; h++) { /* pairs 16h .. 16h + 15 */
+    __m512 r[16];
+    for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_ps(rows + j * d + 32 * h);
+    transpose16(r);
+    for (int i = 0; i < 16; i++)
+      for (int64_t m = 0; m < n; m++)
+        acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)r[i], (__m512bh)_mm512_set1_epi32((int)qt[16 * (16 * h + i) + m]));
+  }
+  for (int64_t m = 0; m < n; m++) _mm512_storeu_ps(s + m * padded, _mm512_mul_ps(acc[m], _mm512_set1_ps(scale)));
+}
+
+#define U8 0x80808080u /* an int8 query's bytes + 128: the unsigned operand of `vpdpbusd` */
+
+/* The 8-bit cache's: tile (16 keys × 16 queries, int32) = the exact integer dot products of 16 keys
+ * (8-bit rows `row` bytes apart, d a multiple of 64) with the int8 queries in qt (q4_scores_amx8's
+ * B layout: dims 4g .. 4g + 3 of query m at qt[16g + m]): Σ (q + 128) · k − 128 · Σ k. */
+TDOT void q4_dot_scores8(int64_t d, const uint32_t *qt, const int8_t *rows, int64_t row, int32_t *tile) {
+  const __m512i ones = _mm512_set1_epi8(1), flip = _mm512_set1_epi32((int)U8);
+  for (int r0 = 0; r0 < KEYS16; r0 += 8) {
+    __m512i acc[8];
+    for (int r = 0; r < 8; r++) acc[r] = _mm512_setzero_si512();
+    for (int64_t g = 0; g < d / 4; g++) {
+      __m512i qu = _mm512_xor_si512(_mm512_loadu_si512(qt + 16 * g), flip);
+      for (int r = 0; r < 8; r++) {
+        uint32_t k;
+        memcpy(&k, rows + (r0 + r) * row + 4 * g, sizeof k);
+        acc[r] = _mm512_dpbusd_epi32(acc[r], qu, _mm512_set1_epi32((int)k));
+      }
+    }
+    for (int r = 0; r < 8; r++) {
+      __m512i sum = _mm512_setzero_si512();
+      for (int64_t c = 0; c < d; c += 64) sum = _mm512_dpbusd_epi32(sum, ones, _mm512_loadu_si512(rows + (r0 + r) * row + c));
+      __m512i fix = _mm512_set1_epi32(128 * _mm512_reduce_add_epi32(sum));
+      _mm512_storeu_si512(tile + 16 * (r0 + r), _mm512_sub_epi32(acc[r], fix));
+    }
+  }
+}
+
+/* s (n rows of `padded`) = those products for n queries, a lane a key, × the keys' scales (ks) ×
+ * each query's (qs), in q4_scores_amx8's order. */
+TDOT void q4_dot_scores8_few(int64_t n, int64_t d, const uint32_t *qt, const int8_t *rows, int64_t row,
+                             const float *ks, const float *qs, float *s, int64_t padded) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i acc[AMX_QUERIES], sum = _mm512_setzero_si512();
+  for (int64_t m = 0; m < n; m++) acc[m] = _mm512_setzero_si512();
+  for (int64_t h = 0; h < d / 64; h++) { /* dims 64h .. 64h + 63: 16 groups of 4 */
+    __m512 r[16];
+    for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_ps(rows + j * row + 64 * h);
+    transpose16(r);
+    for (int i = 0; i < 16; i++) {
+      __m512i k = _mm512_castps_si512(r[i]);
+      sum = _mm512_dpbusd_epi32(sum, ones, k);
+      for (int64_t m = 0; m < n; m++)
+        acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_set1_epi32((int)(qt[16 * (16 * h + i) + m] ^ U8)), k);
+    }
+  }
+  const __m512i fix = _mm512_slli_epi32(sum, 7);
+  const __m512 keys = _mm512_loadu_ps(ks);
+  for (int64_t m = 0; m < n; m++) {
+    __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m], fix)), keys);
+    _mm512_storeu_ps(s + m * padded, _mm512_mul_ps(x, _mm512_set1_ps(qs[m])));
+  }
+}
+#endif
