@@ -194,7 +194,7 @@ def cpu_choice(config: object | None, dtype: str | None, int4: bool) -> kernels.
     hidden = getattr(config, "hidden_size", 1024)
     inner = getattr(config, "intermediate_size", 4 * hidden)
     record = cache_dir() / "cpu-kernels.json"
-    cpu_attention.use_measured(config, int4, record)  # attention on AMX or in vectors, keys and values' bits
+    cpu_attention.use_measured(config, int4, record)  # keys and values' bits, then the attention kernel
     if int4:  # the 4-bit kernels' flavors first: the kernels are then timed as they will run
         q4.use_amx(kernels.amx_rows(hidden, inner, record))
         q4.use_avx_vnni(kernels.avx_vnni(hidden, inner, record))

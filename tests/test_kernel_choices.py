@@ -255,7 +255,9 @@ def test_the_attention_kernel_is_remembered_and_turns_only_on_a_clear_gain(tmp_p
     the earlier choice unless another kernel is `CLEAR_WIN` faster than it."""
     _library()
     monkeypatch.setattr(stepops, "can_attend_with", lambda kernel: True)
-    old_key = kernels._LIBRARY_ID.sub("|kernels 000000000000", kernels.record_key("attention kernel 9x3x64"))
+    old_key = kernels._LIBRARY_ID.sub(
+        "|kernels 000000000000", kernels.record_key("attention kernel 9x3x64", "16-bit KV")
+    )
     cases = (
         ({"amx": 1.4, "dot": 1.2}, None, "amx"), ({"amx": 0.9, "dot": 1.3}, None, "dot"),
         ({"amx": 0.8, "dot": 0.95}, None, "vectors"),  # measured afresh
@@ -298,10 +300,11 @@ def test_the_attention_kernel_is_measured_on_this_machine(tmp_path):
 
 def test_the_kv_bits_are_remembered_and_turn_only_on_a_clear_gain(tmp_path, monkeypatch):
     """8-bit keys and values where a one-token step gains `KV8_GAIN` and the one-row and 16-row
-    ratios added up favor them; remembered per kernel (nothing timed at later launches); a measurement
-    with another kernel library keeps the earlier choice near the threshold."""
+    ratios added up favor them (timed with the vector kernel, whatever kernel was chosen); remembered
+    (nothing timed at later launches); a measurement with another kernel library keeps the earlier
+    choice near the threshold."""
     _library()
-    monkeypatch.setitem(stepops._chosen, "attention", "vectors")
+    monkeypatch.setitem(stepops._chosen, "attention", "amx")
     old_key = kernels._LIBRARY_ID.sub("|kernels 000000000000", kernels.record_key("kv bits 9x3x64", "vectors"))
     cases = (
         ((1.3, 0.9), None, 8), ((1.05, 1.0), None, 16), ((1.15, 0.8), None, 16),  # measured afresh
@@ -318,7 +321,7 @@ def test_the_kv_bits_are_remembered_and_turn_only_on_a_clear_gain(tmp_path, monk
 
 
 def test_the_kv_bits_are_measured_on_this_machine(tmp_path):
-    """Both caches timed at the memory's speed with the chosen attention kernel; a model loaded
+    """Both caches timed at the memory's speed with the vector kernel; a model loaded
     after the choice keeps its keys and values so and names it in its forward."""
     _library()
     one, many = cpu_attention._kv8_ratios(9, 3, 64, 30)

@@ -40,39 +40,41 @@ def use_measured(config, int4: bool, record: Path) -> None:
     dim = head_size(config)
     kv = getattr(config, "num_key_value_heads", None) or heads
     layers = getattr(config, "num_hidden_layers", 1)
-    stepops.use_attention(attention_kernel(heads, kv, dim, layers, record))
-    stepops.use_kv_bits(kv_bits(heads, kv, dim, layers, record) if int4 else 16)
+    bits = kv_bits(heads, kv, dim, layers, record) if int4 else 16
+    stepops.use_kv_bits(bits)
+    stepops.use_attention(attention_kernel(heads, kv, dim, layers, record, bits))
 
 
-def attention_kernel(heads: int, kv_heads: int, head_dim: int, layers: int, record: Path) -> str:
+def attention_kernel(heads: int, kv_heads: int, head_dim: int, layers: int, record: Path, bits: int = 16) -> str:
     """The attention kernel the models run here (`stepops.use_attention`): of those the CPU runs
     (`stepops.KERNELS`), the one whose one-token step's and 16-row block's attention take the least
-    time added up, timed against vectors by turns, where a one-token step loses no more than
+    time added up over keys and values in `bits` (chosen first: `kv_bits`), timed against vectors by
+    turns, where a one-token step loses no more than
     `ONE_ROW_LOSS` to vectors (what decoding runs most); bf16 keys and values. Measured once per
-    machine, shape and kernel library, and remembered; a new measurement turns an earlier choice
-    over only when another kernel is clearly faster."""
+    machine, shape, bits and kernel library, and remembered; a new measurement turns an earlier
+    choice over only when another kernel is clearly faster."""
     kernels = [kernel for kernel in ("amx", "dot") if stepops.can_attend_with(kernel)]
     if not stepops.amx_heads(head_dim) or not kernels:
         return "vectors"
 
     def decide(earlier: str | None) -> str:
-        gains = {kernel: _gain(kernel, heads, kv_heads, head_dim, layers) for kernel in kernels}
+        gains = {kernel: _gain(kernel, heads, kv_heads, head_dim, layers, bits) for kernel in kernels}
         gains["vectors"] = 1.0  # each kernel's: the vector kernel's time over its own
         best = max(gains, key=gains.get)
         return earlier if earlier in gains and gains[best] / gains[earlier] < CLEAR_WIN else best
 
-    return recall(record, record_key(f"attention kernel {heads}x{kv_heads}x{head_dim}"), str, decide)
+    key = record_key(f"attention kernel {heads}x{kv_heads}x{head_dim}", f"{bits}-bit KV")
+    return recall(record, key, str, decide)
 
 
 def kv_bits(heads: int, kv_heads: int, head_dim: int, layers: int, record: Path) -> int:
     """The bits of the keys and values a model's cache keeps here (`stepops.use_kv_bits`): 8 where a
     one-token step's attention takes `KV8_GAIN` less time with them than in bf16 and a one-token
-    step's and a 16-row block's take less time so, added up, timed with the attention kernel the
-    model runs (chosen first: `attention_kernel`); else 16. Measured once per machine, shape and kernel, and
+    step's and a 16-row block's take less time so, added up, timed with the vector kernel (every CPU
+    runs it; what they save is the reading); else 16. Measured once per machine and shape, and
     remembered; a new measurement near the threshold keeps the earlier choice."""
     if not stepops.Ops.attends(head_dim) or q4.library() is None:
         return 16
-    kernel = stepops.Ops(q4.library()).attention_kernel(head_dim)
 
     def decide(earlier: int | None) -> int:
         one, many = _kv8_ratios(heads, kv_heads, head_dim, layers)  # bf16's time over 8-bit's
@@ -80,13 +82,14 @@ def kv_bits(heads: int, kv_heads: int, head_dim: int, layers: int, record: Path)
             return earlier
         return 8 if one >= KV8_GAIN and one + many > 2 else 16
 
-    return recall(record, record_key(f"kv bits {heads}x{kv_heads}x{head_dim}", kernel), int, decide)
+    return recall(record, record_key(f"kv bits {heads}x{kv_heads}x{head_dim}", "vectors"), int, decide)
 
 
-def _gain(kernel: str, heads: int, kv_heads: int, head_dim: int, layers: int) -> float:
-    """The vector kernel's median time over `kernel`'s for one row and for 16 rows, added up; or the
-    one-row ratio where `kernel` loses more than `ONE_ROW_LOSS` there."""
-    caches, lib = _caches(kv_heads, head_dim, layers, 16), q4.library()
+def _gain(kernel: str, heads: int, kv_heads: int, head_dim: int, layers: int, bits: int = 16) -> float:
+    """The vector kernel's median time over `kernel`'s for one row and for 16 rows over keys and
+    values in `bits`, added up; or the one-row ratio where `kernel` loses more than `ONE_ROW_LOSS`
+    there."""
+    caches, lib = _caches(kv_heads, head_dim, layers, bits), q4.library()
     runs = {on: (stepops.Ops(lib, attention=kernel if on else "vectors"), caches) for on in (False, True)}
     one, many = _ratios(heads, head_dim, runs)
     return one if one < 1 - ONE_ROW_LOSS else (one + many) / 2
@@ -94,7 +97,7 @@ def _gain(kernel: str, heads: int, kv_heads: int, head_dim: int, layers: int) ->
 
 def _kv8_ratios(heads: int, kv_heads: int, head_dim: int, layers: int) -> tuple[float, float]:
     """bf16 caches' median time over 8-bit ones' for one row's and 16 rows' attention."""
-    ops = stepops.Ops(q4.library())
+    ops = stepops.Ops(q4.library(), attention="vectors")
     runs = {on: (ops, _caches(kv_heads, head_dim, layers, 8 if on else 16)) for on in (False, True)}
     one, many = _ratios(heads, head_dim, runs)
     return one, many
