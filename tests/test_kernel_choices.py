@@ -259,13 +259,14 @@ def test_the_attention_kernel_is_remembered_and_turns_only_on_a_clear_gain(tmp_p
         "|kernels 000000000000", kernels.record_key("attention kernel 9x3x64", "16-bit KV")
     )
     cases = (
-        ({"amx": 1.4, "dot": 1.2}, None, "amx"), ({"amx": 0.9, "dot": 1.3}, None, "dot"),
-        ({"amx": 0.8, "dot": 0.95}, None, "vectors"),  # measured afresh
-        ({"amx": 1.05, "dot": 1.0}, "vectors", "vectors"), ({"amx": 1.3, "dot": 1.25}, "dot", "dot"),
-        ({"amx": 1.5, "dot": 1.2}, "dot", "amx"), ({"amx": 0.7, "dot": 0.8}, "amx", "vectors"),  # an earlier choice
+        ((1.4, 1.2, 1.1), None, "amx"), ((0.9, 1.3, 1.0), None, "dot"), ((0.9, 1.1, 1.2), None, "dot-scores"),
+        ((0.8, 0.95, 0.9), None, "vectors"),  # measured afresh
+        ((1.05, 1.0, 1.0), "vectors", "vectors"), ((1.3, 1.25, 1.0), "dot", "dot"),
+        ((1.5, 1.2, 1.0), "dot", "amx"), ((0.7, 0.8, 0.9), "amx", "vectors"),  # an earlier choice
     )  # fmt: skip
     for gains, earlier, want in cases:
         record = _record(tmp_path, {} if earlier is None else {old_key: earlier})
+        gains = dict(zip(("amx", "dot", "dot-scores"), gains, strict=True))
         monkeypatch.setattr(cpu_attention, "_gain", lambda kernel, *shape, gains=gains: gains[kernel])
         assert cpu_attention.attention_kernel(9, 3, 64, 30, record) == want, (gains, earlier)
         monkeypatch.setattr(cpu_attention, "_gain", lambda *shape: pytest.fail("measured again"))

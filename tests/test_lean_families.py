@@ -142,7 +142,7 @@ def test_greedy_tree_decoding_equals_plain_in_4_bits(family, kernel):
     _tree_equals_plain(backend)
 
 
-@pytest.mark.parametrize("attention", ["amx", "dot"])
+@pytest.mark.parametrize("attention", list(stepops.NAMES))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_tree_decoding_equals_plain_with_attention_on_amx(family, attention, monkeypatch):
     """The library's decoder with attention on AMX, or AMX's in AVX-512 bf16 and VNNI products (its
@@ -159,7 +159,7 @@ def test_greedy_tree_decoding_equals_plain_with_attention_on_amx(family, attenti
     _blocks_equal_steps(backend)
 
 
-@pytest.mark.parametrize("attention", ["vectors", "amx", "dot"])
+@pytest.mark.parametrize("attention", ["vectors", *stepops.NAMES])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_tree_decoding_equals_plain_with_8_bit_keys_and_values(family, attention, monkeypatch):
     """The library's decoder on an 8-bit cache (each row's int8 values and scale), its attention in

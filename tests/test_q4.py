@@ -147,7 +147,8 @@ def test_without_a_compiler_the_reason_is_given_and_torch_int4_stays(fresh, monk
 
 def ops_or_skip(variant: str) -> stepops.Ops:
     """The step ops of a variant, or of an attention kernel beyond vectors ("amx": AVX-512 with
-    attention on AMX, its scores and values; "dot": the same in AVX-512's bf16 and VNNI products)."""
+    attention on AMX, its scores and values; "dot": the same in AVX-512's bf16 and VNNI products;
+    "dot-scores": its scores so, the values in vectors)."""
     tiles = variant in stepops.NAMES
     if tiles and not (loaded() and stepops.can_attend_with(variant)):
         pytest.skip(f"this CPU (or its Linux) does not run the {variant} attention kernel")
@@ -160,7 +161,7 @@ def ops_or_skip(variant: str) -> stepops.Ops:
 
 
 @pytest.mark.parametrize("bits", [16, 8])
-@pytest.mark.parametrize("variant", ["avx512-vnni", "avx2", "amx", "dot"])
+@pytest.mark.parametrize("variant", ["avx512-vnni", "avx2", *stepops.NAMES])
 @pytest.mark.parametrize(
     "heads, kv, d, past", [(6, 2, 32, 37), (9, 3, 64, 1001), (4, 1, 48, 150), (8, 2, 128, 300), (9, 3, 64, 1535)]
 )

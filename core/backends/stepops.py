@@ -16,9 +16,12 @@ AMX_SCORES, AMX_VALUES = 4, 8  # added to the variant's number: attention on AMX
 KV8 = 16  # added too: keys and values in 8 bits (an 8-bit `StaticKV`, common.h's KV8_ROW)
 DOT = 32  # added too, with AMX's: AMX's attention with its tile products in AVX-512 vectors (attend_dot.c)
 AMX_HEAD_STEP = 32  # the head sizes AMX's attention takes are multiples of this (common.h's amx_mode)
-# The attention kernels: in vectors (attend.c), on AMX's tiles, or AMX's in AVX-512 bf16 and VNNI products
-KERNELS = {"vectors": 0, "amx": AMX_SCORES | AMX_VALUES, "dot": AMX_SCORES | AMX_VALUES | DOT}
-NAMES = {"amx": "AMX attention", "dot": "bf16-dot attention"}  # how a forward names them (vectors: nothing)
+# The attention kernels: in vectors (attend.c), on AMX's tiles, AMX's in AVX-512 bf16 and VNNI products,
+# or its scores so and the weighted values in vectors
+KERNELS = {
+    "vectors": 0, "amx": AMX_SCORES | AMX_VALUES, "dot": AMX_SCORES | AMX_VALUES | DOT, "dot-scores": AMX_SCORES | DOT
+}  # fmt: skip
+NAMES = {"amx": "AMX attention", "dot": "bf16-dot attention", "dot-scores": "dot-product scores"}  # (vectors: none)
 _chosen = {"attention": "vectors", "kv bits": 16}
 
 
@@ -98,8 +101,8 @@ def amx_heads(head_dim: int) -> bool:
 def can_attend_with(kernel: str) -> bool:
     """Whether the attention kernel `kernel` (one of `KERNELS`) runs here: vectors everywhere;
     "amx" where the many-row passes may run on AMX (`q4.amx`) and the CPU has AMX's bf16 products
-    and AVX-512's bf16 conversions; "dot" where the AVX-512 variant runs and the CPU has AVX-512's
-    bf16 and VNNI products (attend_dot.c). Both need a library built with them."""
+    and AVX-512's bf16 conversions; "dot" and "dot-scores" where the AVX-512 variant runs and the CPU
+    has AVX-512's bf16 and VNNI products (attend_dot.c). All need a library built with them."""
     if kernel == "vectors":
         return True
     lib = library()

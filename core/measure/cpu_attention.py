@@ -53,7 +53,7 @@ def attention_kernel(heads: int, kv_heads: int, head_dim: int, layers: int, reco
     `ONE_ROW_LOSS` to vectors (what decoding runs most); bf16 keys and values. Measured once per
     machine, shape, bits and kernel library, and remembered; a new measurement turns an earlier
     choice over only when another kernel is clearly faster."""
-    kernels = [kernel for kernel in ("amx", "dot") if stepops.can_attend_with(kernel)]
+    kernels = [kernel for kernel in stepops.NAMES if stepops.can_attend_with(kernel)]
     if not stepops.amx_heads(head_dim) or not kernels:
         return "vectors"
 
