@@ -40,7 +40,7 @@ SOURCES = tuple(
     for name in ("q4gemm", "avx2", "amx", "attend", "attend_amx", "attend_amx8", "attend_dot", "step", "decode")
 )  # compiled together, with the headers
 HEADERS = (NATIVE / "common.h", NATIVE / "attend_amx.h")
-VERSION = 20  # q4_version() of the source above
+VERSION = 21  # q4_version() of the source above
 TILE = 16  # outputs per tile (inputs per scale: `quantize.GROUP`)
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
 ISAS = {"avx512-vnni": 2, "avx2": 1}  # the kernel variants, as q4_gemm numbers them

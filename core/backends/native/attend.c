@@ -61,13 +61,15 @@
 #define BF_LOAD8(p) LOAD_BF256(p)
 #define BF_KEYS4(s, kj, d) (s)
 #define BF_WEIGHT(p, row, d) (p)
+#define BF_FOLD 0 /* whether WEIGHTED folds each key's scale into its weights before VALUES */
 #define I8_T int8_t
 #define I8_ROW(d) KV8_ROW(d)
 #define I8_LOAD16(p) LOAD_I8512(p)
 #define I8_LOAD8(p) LOAD_I8256(p)
 #define I8_KEYS4(s, kj, d)                                                                                           \
   _mm_mul_ps(s, _mm_setr_ps(kv8_scale(kj[0], d), kv8_scale(kj[1], d), kv8_scale(kj[2], d), kv8_scale(kj[3], d)))
-#define I8_WEIGHT(p, row, d) ((p) * kv8_scale(row, d))
+#define I8_WEIGHT(p, row, d) (p) /* its scale folded in (WEIGHTED) */
+#define I8_FOLD 1
 
 /* s[m·padded + j] = qf_m · key j for G queries (qf: G rows of d floats) and the keys [j0, j1)
  * (keys from `length` on read key length - 1: the caller masks them). The callers go over the
@@ -140,10 +142,10 @@
                               const F##_T *v, float *acc, float *total) {                                         \
     int64_t D = d / W;                                                                                               \
     float t[GROUP_MAX] = {0.0f};                                                                           \
-    for (int m = 0; m < G; m++) t[m] = total[m];                                                                     \
-    for (int64_t j = from; j < to; j++) /* the queries' sums side by side: independent chains */                   \
+    for (int m = 0; total && m < G; m++) t[m] = total[m];                                                            \
+    for (int64_t j = from; total && j < to; j++) /* the queries' sums side by side: independent chains */          \
       for (int m = 0; m < G; m++) t[m] += p[m * padded + j];                                                         \
-    for (int m = 0; m < G; m++) total[m] = t[m];                                                                     \
+    for (int m = 0; total && m < G; m++) total[m] = t[m];                                                            \
     for (int64_t j0 = from; j0 < to; j0 += VALUE_BLOCK) {                                                            \
       int64_t stop = to - j0 < VALUE_BLOCK ? to : j0 + VALUE_BLOCK;                                                  \
       int64_t c0 = 0;                                                                                                \
@@ -153,15 +155,15 @@
   }                                                                                                                  \
   TARGET static void NAME(int64_t n, int64_t d, int64_t length, const float *p, int64_t padded, const F##_T *v,      \
                           float *acc, float *total) { /* in spans of SPAN keys, as the scores */                    \
-    for (int64_t m = 0; m < n; m++) {                                                                                \
-      total[m] = 0.0f;                                                                                               \
+    for (int64_t m = 0; m < n; m++) { /* total NULL: the weights' sums made already */                             \
+      if (total) total[m] = 0.0f;                                                                                    \
       for (int64_t i = 0; i < d; i++) acc[m * d + i] = 0.0f;                                                         \
     }                                                                                                                \
     for (int64_t from = 0; from < length; from += SPAN) {                                                            \
       int64_t to = length - from < SPAN ? length : from + SPAN;                                                      \
       for (int64_t m = 0; m < n; m += GQ) {                                                                          \
         int64_t g = n - m < GQ ? n - m : GQ;                                                                         \
-        BY_GROUP(GQ, g, NAME##_g, d, from, to, p + m * padded, padded, v, acc + m * d, total + m);                   \
+        BY_GROUP(GQ, g, NAME##_g, d, from, to, p + m * padded, padded, v, acc + m * d, total ? total + m : 0);       \
       }                                                                                                              \
     }                                                                                                                \
   }
@@ -216,7 +218,7 @@ EXPS(exps256, T256, __m256, 8, _mm256, exp256)
           if ((mask[m][j] & 0x7fff) != 0) sm[j - from] = 0.0f;                                                       \
       for (int64_t j = length; j < padded; j++) sm[j] = 0.0f;                                                        \
     }                                                                                                                \
-    if (acc) {                                                                                                       \
+    if (acc && !F##_FOLD) {                                                                                          \
       VALUES(n, d, length, scores, padded, v + from * F##_ROW(d), acc, total);                                       \
       return;                                                                                                        \
     }                                                                                                                \
@@ -227,6 +229,14 @@ EXPS(exps256, T256, __m256, 8, _mm256, exp256)
       for (int64_t j = 0; j < length; j++) t0 += s0[j], t1 += s1[j], t2 += s2[j], t3 += s3[j];                       \
       float t[4] = {t0, t1, t2, t3};                                                                                 \
       for (int64_t i = 0; i < 4 && m + i < n; i++) total[m + i] = t[i];                                              \
+    }                                                                                                                \
+    if (acc) { /* F##_FOLD: each weight times its key's scale (F##_WEIGHT's product), then the values */             \
+      float units[PADDED(SPLIT)]; /* a part has at most SPLIT keys */                                                                                \
+      for (int64_t j = 0; j < length; j++) units[j] = kv8_scale((const int8_t *)(v + (from + j) * F##_ROW(d)), d);   \
+      for (int64_t m = 0; m < n; m++) {                                                                              \
+        _Pragma("omp simd") for (int64_t j = 0; j < length; j++) scores[m * padded + j] *= units[j];                 \
+      }                                                                                                              \
+      VALUES(n, d, length, scores, padded, v + from * F##_ROW(d), acc, 0);                                           \
     }                                                                                                                \
   }
 WEIGHTED(weighted512, values512, exps512, T512, BF)

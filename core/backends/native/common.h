@@ -154,6 +154,7 @@ void q4_kv8_store(const uint16_t *x, int64_t d, int8_t *row);
 /* attend.c's attention of one part of the keys (q4_attend's parts), in vectors: bf16 keys and
  * values, or (_8) 8-bit ones. work: PART_WORK(n, to - from) floats. */
 #define QUERIES 48   /* the most queries one pass over a kv head's keys and values serves */
+#define SPLIT 512    /* the most keys of a part (step.c cuts long key ranges at its multiples) */
 #define HEAD_STEP 16 /* head sizes must be multiples of this (core/backends/stepops.py HEAD_STEP) */
 #define KEYS 16
 #define PADDED(length) (((length) + KEYS - 1) / KEYS * KEYS)

@@ -28,7 +28,7 @@
  * at 1–8B shapes: 4–8 rows 10–25 % faster; one row streams at memory speed without it). */
 #define PF 4
 
-int q4_version(void) { return 20; }
+int q4_version(void) { return 21; }
 
 /* bf16 weights (N×K, N % 16 == 0, K % 32 == 0) → the kernel's layout in one pass, as core/q4.py's
  * quantize (4 bits: step = (max − min)/15 and q = round((w − min)/step) per group, d and m float16

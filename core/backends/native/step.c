@@ -15,8 +15,7 @@ static inline float bf(uint16_t b) { return bf16_to_float(b); }
  * A query's bits depend on its own q and the keys it sees, so a tree's node still gets those of
  * a one-token step at its position; one row's parts go to different threads, each reading its
  * keys and values once (one thread a kv head read them 1.33-2 times over, at a third of the
- * memory's speed). */
-#define SPLIT 512
+ * memory's speed). SPLIT: common.h. */
 
 /* The queries of one task: query l is (row r, head g·group + h) for the task's kv head g. */
 typedef struct {
