@@ -231,7 +231,7 @@ EXPS(exps256, T256, __m256, 8, _mm256, exp256)
       for (int64_t i = 0; i < 4 && m + i < n; i++) total[m + i] = t[i];                                              \
     }                                                                                                                \
     if (acc) { /* F##_FOLD: each weight times its key's scale (F##_WEIGHT's product), then the values */             \
-      float units[PADDED(SPLIT)]; /* a part has at most SPLIT keys */                                                                                \
+      float units[PADDED(SPLIT)]; /* a part has at most SPLIT keys */                                                \
       for (int64_t j = 0; j < length; j++) units[j] = kv8_scale((const int8_t *)(v + (from + j) * F##_ROW(d)), d);   \
       for (int64_t m = 0; m < n; m++) {                                                                              \
         _Pragma("omp simd") for (int64_t j = 0; j < length; j++) scores[m * padded + j] *= units[j];                 \

@@ -17,7 +17,8 @@
  * bits differ from the vector kernel's in their last places (another order of sums, the scale
  * applied after the scores, the weights in bf16), so a model runs one or the other for its whole
  * session (its measured choice: core/measure/cpu_attention.py). The 8-bit cache's own parts are in
- * attend_amx8.c.
+ * attend_amx8.c. With AMX_DOT in `amx` (ISA_DOT) every tile product is made in AVX-512 vectors
+ * instead (attend_dot.c), on a CPU without AMX.
  */
 #include "attend_amx.h"
 
@@ -293,7 +294,8 @@ TAMXB static void values_amx(int dot, int64_t n, int64_t d, const char *v, int k
 }
 
 /* One part's attention for up to AMX_QUERIES queries (step.c's ATTEND: the part's top, sum of
- * weights and weighted values), its scores on AMX and, where amx is 2, its weighted values; q: the
+ * weights and weighted values), its scores on AMX and, where amx is 2, its weighted values (plus
+ * AMX_DOT: the tiles' products in vectors, attend_dot.c); q: the
  * queries' bf16 rows; k, v: bf16 rows of d, or with kv8 8-bit ones (KV8_ROW; d a multiple of 64), the
  * values then perhaps widened already (`wide`, `wide_units`: q4_widen_values' rows, NULL: none);
  * d a multiple of 32; scores: n rows of the part's keys padded to 16; scratch: AMX_WORK(padded, d)

@@ -44,8 +44,10 @@ TDOT static inline __attribute__((always_inline)) void product_g(const int G, co
  * first `rows` rows and `tiles` (2 or 4) B tiles. */
 TDOT void q4_dot_product(int rows, int tiles, const void *a, int64_t lda, const uint16_t *pairs, float *c) {
   int r0 = 0;
-  for (; r0 + 4 <= rows; r0 += 4) tiles == 4 ? product_g(4, 4, r0, a, lda, pairs, c) : product_g(4, 2, r0, a, lda, pairs, c);
-  for (; r0 < rows; r0++) tiles == 4 ? product_g(1, 4, r0, a, lda, pairs, c) : product_g(1, 2, r0, a, lda, pairs, c);
+  for (; r0 + 4 <= rows; r0 += 4)
+    tiles == 4 ? product_g(4, 4, r0, a, lda, pairs, c) : product_g(4, 2, r0, a, lda, pairs, c);
+  for (; r0 < rows; r0++)
+    tiles == 4 ? product_g(1, 4, r0, a, lda, pairs, c) : product_g(1, 2, r0, a, lda, pairs, c);
 }
 
 /* tile (16 keys × 16 queries, a row a key) = the bf16 dot products of 16 keys (rows d apart) with
@@ -103,7 +105,8 @@ TDOT void q4_dot_scores8(int64_t d, const uint32_t *qt, const int8_t *rows, int6
     }
     for (int r = 0; r < 8; r++) {
       __m512i sum = _mm512_setzero_si512();
-      for (int64_t c = 0; c < d; c += 64) sum = _mm512_dpbusd_epi32(sum, ones, _mm512_loadu_si512(rows + (r0 + r) * row + c));
+      for (int64_t c = 0; c < d; c += 64)
+        sum = _mm512_dpbusd_epi32(sum, ones, _mm512_loadu_si512(rows + (r0 + r) * row + c));
       __m512i fix = _mm512_set1_epi32(128 * _mm512_reduce_add_epi32(sum));
       _mm512_storeu_si512(tile + 16 * (r0 + r), _mm512_sub_epi32(acc[r], fix));
     }
