@@ -5,7 +5,7 @@ the attention kernel — in vectors, on AMX, or AMX's in AVX-512 bf16 and VNNI p
 Both are timed as a step at a long context meets them: over the keys and values of `CONTEXT`
 tokens in the model's layers (up to `TIMED` bytes in bf16, in parts of `KEYS` keys), more than the
 CPU cache holds, so that they are read at the memory's speed; for one row (a plain step) and 16
-(a tree, a prompt's block), the two candidates by turns. Either choice changes a step's last
+(a tree, a prompt's block), each candidate and its rival by turns. Either choice changes a step's last
 bits, so a model keeps both for its session: a tree's nodes and a kept cache are then read as the
 one-token steps that wrote them.
 """
@@ -49,10 +49,9 @@ def attention_kernel(heads: int, kv_heads: int, head_dim: int, layers: int, reco
     """The attention kernel the models run here (`stepops.use_attention`): of those the CPU runs
     (`stepops.KERNELS`), the one whose one-token step's and 16-row block's attention take the least
     time added up over keys and values in `bits` (chosen first: `kv_bits`), timed against vectors by
-    turns, where a one-token step loses no more than
-    `ONE_ROW_LOSS` to vectors (what decoding runs most); bf16 keys and values. Measured once per
-    machine, shape, bits and kernel library, and remembered; a new measurement turns an earlier
-    choice over only when another kernel is clearly faster."""
+    turns, where a one-token step loses no more than `ONE_ROW_LOSS` to vectors (what decoding runs
+    most). Measured once per machine, shape, bits and kernel library, and remembered; a new
+    measurement turns an earlier choice over only when another kernel is clearly faster."""
     kernels = [kernel for kernel in stepops.NAMES if stepops.can_attend_with(kernel)]
     if not stepops.amx_heads(head_dim) or not kernels:
         return "vectors"
