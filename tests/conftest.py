@@ -1,7 +1,24 @@
+import os
+import tempfile
 from pathlib import Path
 
+import platformdirs
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    """The app's cache folder for this test session: a fresh one, so that kernel choices and
+    step-cost curves measured by the tests (on a machine busy with them) never become the user's
+    (`cpu-kernels.json`, `step-costs`); the compiled kernel library and converted model files, which
+    do not depend on timing, are the user's folders, linked in."""
+    real = Path(platformdirs.user_cache_dir("medusa-chat"))
+    session = Path(tempfile.mkdtemp(prefix="medusa-chat-tests-")) / "cache"
+    (session / "medusa-chat").mkdir(parents=True)
+    for shared in ("kernels", "models"):
+        (real / shared).mkdir(parents=True, exist_ok=True)
+        (session / "medusa-chat" / shared).symlink_to(real / shared, target_is_directory=True)
+    os.environ["XDG_CACHE_HOME"] = str(session)
 
 
 def pytest_collection_modifyitems(config, items):
