@@ -34,7 +34,7 @@ class Ops:
     def __init__(self, lib: ctypes.CDLL, attention: str | None = None) -> None:
         """`attention`: the attention kernel, one of `KERNELS` (None: as `use_attention` chose
         last; one this CPU cannot run: vectors)."""
-        kernel = _chosen["attention"] if attention is None else attention if can_attend_with(attention) else "vectors"
+        kernel = _chosen["attention"] if attention is None else runnable(attention)
         self.lib, self.kernel, self.variant = lib, kernel, ISAS[isa()] | KERNELS[kernel]
 
     def attention_kernel(self, head_dim: int) -> str:
@@ -113,11 +113,16 @@ def can_attend_with(kernel: str) -> bool:
     return {"avx512_bf16", "avx512_vnni"} <= cpu_flags()
 
 
+def runnable(kernel: str) -> str:
+    """`kernel` where `can_attend_with` it, else vectors."""
+    return kernel if can_attend_with(kernel) else "vectors"
+
+
 def use_attention(kernel: str) -> None:
     """The models loaded from now on attend with `kernel` (one of `KERNELS`; vectors where
     `can_attend_with` says no). A model keeps its kernel for its whole session: they differ in their
     last bits, and a kept cache must be read with the kernel that wrote it."""
-    _chosen["attention"] = kernel if can_attend_with(kernel) else "vectors"
+    _chosen["attention"] = runnable(kernel)
 
 
 def use_kv_bits(bits: int) -> None:

@@ -142,10 +142,12 @@
                               const F##_T *v, float *acc, float *total) {                                         \
     int64_t D = d / W;                                                                                               \
     float t[GROUP_MAX] = {0.0f};                                                                           \
-    for (int m = 0; total && m < G; m++) t[m] = total[m];                                                            \
-    for (int64_t j = from; total && j < to; j++) /* the queries' sums side by side: independent chains */          \
-      for (int m = 0; m < G; m++) t[m] += p[m * padded + j];                                                         \
-    for (int m = 0; total && m < G; m++) total[m] = t[m];                                                            \
+    if (total) { /* NULL: the weights' sums made already (WEIGHTED, F##_FOLD) */                                   \
+      for (int m = 0; m < G; m++) t[m] = total[m];                                                                   \
+      for (int64_t j = from; j < to; j++) /* the queries' sums side by side: independent chains */                 \
+        for (int m = 0; m < G; m++) t[m] += p[m * padded + j];                                                       \
+      for (int m = 0; m < G; m++) total[m] = t[m];                                                                   \
+    }                                                                                                                \
     for (int64_t j0 = from; j0 < to; j0 += VALUE_BLOCK) {                                                            \
       int64_t stop = to - j0 < VALUE_BLOCK ? to : j0 + VALUE_BLOCK;                                                  \
       int64_t c0 = 0;                                                                                                \

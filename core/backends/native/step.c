@@ -95,11 +95,12 @@ int q4_attend(int isa, int amx, int threads, int64_t t, int64_t heads, int64_t k
   int64_t stride = RESULT(size, d), span = parts == 1 ? length : SPLIT; /* a part's results; its most keys */
   float *results = malloc(sizeof(float) * (size_t)(kv_heads * blocks * parts * stride));
   /* 8-bit values on AMX for several blocks a kv head: made into B tiles once here for all of them */
+  int paired = kv8 && (amx & ~AMX_DOT) == 2 && blocks > 1 && first == 0, tiles = amx && !(amx & AMX_DOT);
   int64_t w32 = (length + 31) / 32 * 32; /* a kv head's rows there */
   size_t widened = (size_t)(kv_heads * w32) * (sizeof(uint16_t) * (size_t)d + sizeof(float)); /* tiles, scales */
-  uint16_t *wide = kv8 && (amx & ~AMX_DOT) == 2 && blocks > 1 && first == 0 ? malloc(widened) : 0;
+  uint16_t *wide = paired ? malloc(widened) : 0;
   float *units = wide ? (float *)(wide + kv_heads * w32 * d) : 0;
-  if (!results || (kv8 && (amx & ~AMX_DOT) == 2 && blocks > 1 && first == 0 && !wide)) {
+  if (!results || (paired && !wide)) {
     free(results);
     free(wide);
     return -1;
@@ -120,7 +121,7 @@ int q4_attend(int isa, int amx, int threads, int64_t t, int64_t heads, int64_t k
           q4_pair_values((const int8_t *)v + (size_t)(g * capacity + j) * row, d, length - j < 256 ? length - j : 256,
                          wide + (g * w32 + j) * d, units + g * w32 + j);
     }
-    if (amx && !(amx & AMX_DOT)) q4_amx_begin();
+    if (tiles) q4_amx_begin(); /* the tile unit's configuration (AMX_DOT: no tiles) */
 #pragma omp for schedule(dynamic) collapse(3)
     for (int64_t g = 0; g < kv_heads; g++)
       for (int64_t b = 0; b < blocks; b++)
@@ -146,7 +147,7 @@ int q4_attend(int isa, int amx, int threads, int64_t t, int64_t heads, int64_t k
           void (*part)(ATTEND_ARGS) = isa == 2 ? (kv8 ? attend512_8 : attend512) : (kv8 ? attend256_8 : attend256);
           part(kb.n, d, qf, kg, vg, from, to, open, kb.mask, work, res, res + size, res + 2 * size);
         }
-    if (amx && !(amx & AMX_DOT)) q4_amx_end();
+    if (tiles) q4_amx_end();
 #pragma omp for schedule(static) collapse(2)
     for (int64_t g = 0; g < kv_heads; g++)
       for (int64_t b = 0; b < blocks; b++) {
