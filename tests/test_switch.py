@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from core.drafters.base import NoDrafter
-from core.drafters.switch import EVERY, FIRST_GAP, MAX_GAP, SHARE, TURNS, Fastest
+from core.drafters.switch import EVERY, FIRST_GAP, MAX_GAP, SHARE, SIT_OUT, TURNS, Fastest
 
 TRIAL = 2 * TURNS  # the steps of a trial between two drafters
 
@@ -153,3 +153,42 @@ def test_a_trial_whose_turns_lose_much_is_followed_by_a_longer_gap():
     cheap = Fastest({"eagle": Fake(), "plain": NoDrafter()}, reference="plain")
     ran = run(cheap, 2 * TRIAL + FIRST_GAP, lambda name, step: 1, lambda name: 0.01 if name == "plain" else 0.0101)
     assert ran["eagle"] == 2 * TURNS
+
+
+def trials_taken(switch: Fastest, steps: int, seconds) -> list[tuple[str, ...]]:
+    """Who took each trial that opened in `steps` steps of one token each (the first included)."""
+    taken = [tuple(switch._taking)] if switch._trial else []
+    for _ in range(steps):
+        before = switch._trial
+        draft = switch.propose(torch.zeros(4), torch.tensor(1), [1])
+        if before == 0 and switch._trial > 0:
+            taken.append(tuple(switch._taking))
+        switch.observe(draft, [1], seconds(switch.active))
+    return taken
+
+
+def test_a_clear_loser_sits_out_ever_more_trials_and_a_trial_still_compares_two():
+    """Where plain decoding leads, EAGLE, three times as dear, sits out 1, 2, 4, then SIT_OUT
+    trials; the heads' tree, which loses least, takes every trial beside plain decoding."""
+    switch = Fastest({"heads": Fake(), "eagle": Fake(), "plain": NoDrafter()}, reference="plain")
+    taken = trials_taken(switch, 16000, lambda name: {"plain": 0.01, "heads": 0.012, "eagle": 0.03}[name])
+    assert all({"heads", "plain"} <= set(t) for t in taken)
+    with_eagle = [i for i, t in enumerate(taken) if "eagle" in t]
+    assert with_eagle[:6] == [0, 1, 3, 6, 11, 11 + SIT_OUT + 1]
+    assert len(taken) > with_eagle[-1] + 1  # it sits out still
+
+
+def test_a_drafter_sitting_out_takes_over_once_faster():
+    """EAGLE, clearly behind while it sits out trials, leads once it has become the fastest."""
+    switch = Fastest({"heads": Fake(), "eagle": Fake(), "plain": NoDrafter()}, reference="plain")
+    trials_taken(switch, 3000, lambda name: {"plain": 0.01, "heads": 0.012, "eagle": 0.03}[name])
+    assert switch._out["eagle"] > 0 and switch.leader() == "plain"
+    trials_taken(switch, 20000, lambda name: {"plain": 0.01, "heads": 0.012, "eagle": 0.004}[name])
+    assert switch.leader() == "eagle" and switch._out["eagle"] == 0
+
+
+def test_the_reference_and_the_leader_take_every_trial():
+    """Two drafters: a trial always has both, however clearly one loses."""
+    switch = Fastest({"eagle": Fake(), "plain": NoDrafter()}, reference="plain")
+    taken = trials_taken(switch, 5000, lambda name: 0.01 if name == "plain" else 0.03)
+    assert len(taken) > 3 and all(t == ("eagle", "plain") for t in taken)

@@ -57,6 +57,7 @@ EVIDENCE = 2  # trials every drafter must have run in before rates pick the one 
 FIRST_GAP = 32  # steps between the first trials, and while the best rate is not yet trusted
 SHARE = 0.03  # the most of the time the turns of a trial may lose against the leader: a trial
 # whose losing turns cost more is followed by a gap long enough (up to MAX_GAP) to keep it so
+SIT_OUT = 8  # the most trials in a row a clearly losing drafter sits out
 CONFIDENCE = 2.0  # standard errors by which a drafter must beat the reference to replace it (at
 # 1.0, with AVX2 kernels, the heads' tree, 3 % slower than plain when it ran, won early trials)
 
@@ -69,7 +70,7 @@ class Fastest(Drafter):
         self.reference = reference
         self.trials: dict[str, deque[list[tuple[int, float]]]] = {n: deque(maxlen=MEMORY) for n in drafters}
         self.active = reference or next(iter(drafters))
-        self.trial_steps = TURNS * len(drafters)
+        self.trial_steps = TURNS * len(drafters)  # the steps of a trial every drafter takes
         self._trial = self.trial_steps  # steps left in the running trial (0: none runs)
         self._since = 0  # steps since the last trial ended
         self._gap = EVERY  # steps from the last trial to the next
@@ -77,6 +78,9 @@ class Fastest(Drafter):
         self._runs = self.active  # what runs between trials (the leader as of the last trial)
         self._doubt = False  # a drafter that does not run has the best rate
         self._names = list(drafters)
+        self._taking = list(drafters)  # the drafters taking the running (or the next) trial
+        self._out = dict.fromkeys(drafters, 0)  # trials each sits out from the next one on
+        self._losses = dict.fromkeys(drafters, 0)  # clear losses in a row (2^(n−1) trials out)
         self._turn = 0
         self._open = False  # each drafter's tally for the running trial is open
 
@@ -121,15 +125,19 @@ class Fastest(Drafter):
 
     def _pick(self) -> str:
         if self._trial == 0 and self._since >= self._gap:
-            self._trial, self._since = self.trial_steps, 0
+            self._since = 0
+            self._taking = [n for n in self._names if self._out[n] == 0]
+            self._out = {n: max(0, k - 1) for n, k in self._out.items()}
+            if len(self._taking) > 1:  # else no trial: only the leader would take its turns
+                self._trial = TURNS * len(self._taking)
         if self._trial > 0:
             if not self._open:
                 self._leader = self.leader() if any(self.trials[n] for n in self._names) else None
-                for name in self._names:
+                for name in self._taking:
                     self.trials[name].append([])
                 self._open = True
-            self._turn = (self._turn + 1) % len(self._names)
-            return self._names[self._turn]
+            self._turn = (self._turn + 1) % len(self._taking)
+            return self._taking[self._turn]
         self._since += 1
         return self._runs
 
@@ -176,7 +184,25 @@ class Fastest(Drafter):
                 else:
                     self._gap = min(2 * self._gap, MAX_GAP) if kept else EVERY
                 self._gap = max(self._gap, self._costly_gap(leader))
+                self._sit_out(leader)
         self.drafters[self.active].observe(draft, emitted, seconds)
+
+    def _sit_out(self, leader: str) -> None:
+        """After a trial: which of its losers sit out the next ones. The reference (else the first
+        named) and the leader take every trial; where those are one, so does the loser that lost
+        least, so a trial always compares two."""
+        anchor = self.reference or self._names[0]
+        losers = [
+            n
+            for n in self._taking
+            if n not in (leader, anchor) and len(self.trials[n]) >= EVIDENCE and self._beats(leader, n)
+        ]
+        losers = sorted((n for n in losers if self._lost(n, leader) > 0), key=lambda n: self._lost(n, leader))
+        for name in set(self._taking) - set(losers):
+            self._losses[name] = 0
+        for name in losers[1:] if leader == anchor else losers:
+            self._losses[name] += 1
+            self._out[name] = min(SIT_OUT, 2 ** (self._losses[name] - 1))
 
     def _costly_gap(self, leader: str) -> int:
         """The steps after a trial that keep what its losing turns cost within `SHARE` of the time:
@@ -184,15 +210,21 @@ class Fastest(Drafter):
         trial would have made their tokens in (none where they gained), over SHARE × the leader's
         step time; at most MAX_GAP. Where no tree pays (AVX2 kernels: EAGLE's turns took 2-4× a
         plain step for 1-2 tokens), trials 32 steps apart cost the default ~10 % of its speed."""
-        turns = self.trials[leader][-1]  # every drafter's tally of the trial that just ended
+        turns = self.trials[leader][-1]  # the leader's tally of the trial that just ended
         seconds = sum(s for _, s in turns)
         if seconds <= 0:
             return 0
-        rate = sum(t for t, _ in turns) / seconds
-        lost = sum(
-            max(0.0, sum(s - t / rate for t, s in self.trials[name][-1])) for name in self._names if name != leader
-        )
+        lost = sum(self._lost(name, leader) for name in self._taking if name != leader)
         return min(MAX_GAP, math.ceil(lost / (SHARE * seconds / len(turns))))
+
+    def _lost(self, name: str, leader: str) -> float:
+        """The seconds `name`'s turns in the trial that just ended took beyond what the leader's
+        rate in it would have made their tokens in (0 where they gained, or the leader made none)."""
+        turns = self.trials[leader][-1]
+        tokens, seconds = sum(t for t, _ in turns), sum(s for _, s in turns)
+        if tokens <= 0 or seconds <= 0:
+            return 0.0
+        return max(0.0, sum(s - t * seconds / tokens for t, s in self.trials[name][-1]))
 
     @property
     def last_choice(self) -> Choice | None:
