@@ -5,10 +5,12 @@ packing it: several times the packed size at its peak. Here the model is built o
 device (no memory), each weight is read from its file (`TensorSource`: a safetensors folder here,
 a GGUF file in `models.direct_gguf`), cast to the activations' dtype and set, and each decoder
 layer is packed (`lean.pack_layer`) as soon as its last weight is in: at any time the process
-holds the packed layers, one layer in the activations' dtype and one tensor as read.
+holds the packed layers, one layer in the activations' dtype and one tensor as read. A GGUF
+file's Q4_0, Q4_1, Q4_K (4-bit layers), Q8_0, Q5_0 and Q4_0 (8-bit) weights skip the float copy:
+their blocks go into the packed layers as they are (`models.gguf_blocks`), the file's own weights.
 
-The model is the one `from_pretrained(dtype=...)` then `accelerate` gives, bit for bit: the
-same tensors, cast the same way, packed by the same code. Files are read with plain reads, not
+Otherwise the model is the one `from_pretrained(dtype=...)` then `accelerate` gives, bit for
+bit: the same tensors, cast the same way, packed by the same code. Files are read with plain reads, not
 memory-mapped, so pages of the file never count in the process's memory.
 """
 
@@ -103,7 +105,7 @@ def packed_model(
         return None
     if gguf is not None:
         kernel = source.layer_kernel(linears(model), kernel)
-        say_requantized(gguf, source.requantized(linears(model)), kernel)
+        say_requantized(gguf, source.requantized(linears(model), kernel), kernel)
     try:
         fill(model, source, dtype, kernel, head_kernel)
     except KeyError:
@@ -158,7 +160,8 @@ def fill(model: PreTrainedModel, source: TensorSource, dtype: torch.dtype, kerne
     """Set `model`'s parameters (a `skeleton`'s) from `source` in `dtype`, packing each decoder
     layer for `kernel` as its last weight comes in, and a tied vocabulary for `head_kernel` as
     soon as it is in, before the layers (`lean.share_vocabulary`: its dense table then never
-    stands beside them; an output layer of its own is left to `lean.accelerate`). Raises KeyError
+    stands beside them; an output layer of its own is left to `lean.accelerate`). Weights whose
+    blocks the source holds in the layers' form go in as they are (`_blocks`). Raises KeyError
     naming a parameter `source` lacks."""
     layers = model.base_model.layers
     waiting = {i: sum(1 for _ in layer.parameters()) for i, layer in enumerate(layers)}
@@ -166,15 +169,18 @@ def fill(model: PreTrainedModel, source: TensorSource, dtype: torch.dtype, kerne
     shared = False
     readers = [lean.PackAsRead(layer, kernel) for layer in layers]
     for name in sorted(needed(model), key=_order):
-        if name == embedding and (blocks := _q8_blocks(source, name)) is not None:
+        if name == embedding and (blocks := _blocks(source, name, 8)) is not None:
             shared = lean.share_vocabulary(model, head_kernel, blocks)
             if shared:
                 continue  # the table as the file holds it, its dense weight never made
-        value = source.read(name, dtype)
         match = LAYER.search(name)
-        if match is None or not readers[int(match.group(1))].take(name[match.end() :], value):
-            _put(model, name, value)
-        del value  # a packed weight's full-precision copy goes before the next is read
+        reader, leaf = (readers[int(match.group(1))], name[match.end() :]) if match else (None, name)
+        blocks = _blocks(source, name, reader.bits) if reader is not None and reader.bits else None
+        if blocks is None or not reader.take_blocks(leaf, blocks):
+            value = source.read(name, dtype)
+            if reader is None or not reader.take(leaf, value):
+                _put(model, name, value)
+            del value  # a packed weight's full-precision copy goes before the next is read
         if name == embedding:
             shared = lean.share_vocabulary(model, head_kernel)
             give_back_freed_memory()
@@ -190,10 +196,11 @@ def fill(model: PreTrainedModel, source: TensorSource, dtype: torch.dtype, kerne
         raise KeyError(left[0])
 
 
-def _q8_blocks(source: TensorSource, name: str):
-    """The tensor's 8-bit blocks as `source` holds them (a GGUF file's Q8_0), else None."""
-    q8_blocks = getattr(source, "q8_blocks", None)
-    return q8_blocks(name) if q8_blocks is not None else None
+def _blocks(source: TensorSource, name: str, bits: int) -> Iterable | None:
+    """The tensor's blocks as `source` holds them, in the form of `bits`-bit layers (a GGUF file's
+    `models.gguf_blocks.FORMS`), else None."""
+    blocks = getattr(source, "blocks", None)
+    return blocks(name, bits) if blocks is not None else None
 
 
 def _order(name: str) -> tuple[int, str]:

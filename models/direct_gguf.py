@@ -24,10 +24,11 @@ import torch
 from torch import Tensor
 
 from core.backends import q4
+from models import gguf_blocks
 from models.headers import _U32, _U64, _Cursor
 
 WIDE = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"}  # quantized to over 4.5 bits a weight by choice
-KEPT = {"Q4_1"}  # the type whose blocks the int4 layers hold as they are (a step and a minimum per 32, 16 levels)
+SAME = slice(None)  # a tensor's rows in the file's order (`GgufFile._row_order`)
 _TYPED = {  # tensor types stored as plain numbers (the rest are blocks of bytes)
     gguf.GGMLQuantizationType.F32: np.float32,
     gguf.GGMLQuantizationType.F16: np.float16,
@@ -160,35 +161,48 @@ class GgufFile:
             out[first * per_head : (first + count) * per_head] = self._process(part, theirs, processors[count])
         return out
 
-    def q8_blocks(self, name: str) -> Iterator[tuple[int, Tensor, Tensor]] | None:
-        """The tensor `name` as its Q8_0 blocks, a part of its rows at a time: (first row, (rows, K)
-        int8 q, (rows, K/32) float16 steps), each part a multiple of `q4.TILE` rows; None where
-        the file holds it otherwise, or the processing would change it."""
+    def blocks(self, name: str, bits: int) -> Iterator[tuple] | None:
+        """The tensor `name` as its blocks in the form of `bits`-bit layers (`models.gguf_blocks`),
+        a part of its rows at a time: each part (first row, then what `q4.Packed.put_blocks` takes),
+        a multiple of `q4.TILE` rows; None where the file holds it otherwise, or the processing
+        would change its values (Llama's q and k rows, which it only reorders, are reordered)."""
         theirs = self.by_name[name]
         entry = self.table[theirs]
-        if entry.kind != gguf.GGMLQuantizationType.Q8_0 or len(entry.shape) != 2 or entry.shape[0] % q4.TILE:
-            return None
-        probe = self._rows(entry, theirs, 0, q4.TILE)
-        done = self.processor.process(
-            weights=probe, name=theirs, tensor_key_mapping=self.mapping, parsed_parameters={"tensors": {}}
-        )
-        if done.name != theirs or done.weights is not probe:
+        if (entry.kind, bits) not in gguf_blocks.FORMS or len(entry.shape) != 2 or entry.shape[0] % q4.TILE:
             return None
         rows, row = entry.shape[0], entry.length // entry.shape[0]
-        step = max(q4.TILE, self.chunk // row // q4.TILE * q4.TILE)
+        order = self._row_order(theirs, rows)
+        if order is None:
+            return None
+        step = max(q4.TILE, self.chunk // (2 * row) // q4.TILE * q4.TILE)  # rows whose q take < `chunk` bytes
 
-        def blocks() -> Iterator[tuple[int, Tensor, Tensor]]:
+        def parts() -> Iterator[tuple]:
+            whole = None if order is SAME else self._bytes(entry, theirs, 0, rows).reshape(rows, row)
             for start in range(0, rows, step):
                 stop = min(rows, start + step)
-                raw = self._bytes(entry, theirs, start, stop)
-                block = torch.from_numpy(raw).view(stop - start, -1, 34)  # a float16 step, then 32 int8
-                yield (
-                    start,
-                    block[..., 2:].contiguous().view(torch.int8).flatten(1),
-                    block[..., :2].contiguous().view(torch.float16).squeeze(-1),
-                )
+                raw = self._bytes(entry, theirs, start, stop) if whole is None else whole[order[start:stop]]
+                yield (start, *gguf_blocks.decode(entry.kind, raw.reshape(stop - start, row), bits))
 
-        return blocks()
+        return parts()
+
+    def _row_order(self, theirs: str, rows: int):
+        """What transformers' processing does to a tensor's values, probed with each row's index:
+        `SAME` nothing; an index array where it reorders whole rows (row i of the result is that
+        row of the file's); None where it does more."""
+        probe = np.arange(rows, dtype=np.float32).reshape(rows, 1)
+        try:
+            done = self.processor.process(
+                weights=probe, name=theirs, tensor_key_mapping=self.mapping, parsed_parameters={"tensors": {}}
+            )
+        except Exception:  # a processing that takes no such probe: the values are read
+            return None
+        result = np.asarray(done.weights).reshape(-1)
+        if done.name != theirs or result.shape != (rows,):
+            return None
+        if done.weights is probe or np.array_equal(result, probe[:, 0]):
+            return SAME
+        order = result.astype(np.int64)
+        return order if np.array_equal(np.sort(order), np.arange(rows)) and np.array_equal(order, result) else None
 
     def _heads(self, theirs: str) -> int | None:
         """The heads of a tensor whose processing permutes rows within each head, else None."""
@@ -220,10 +234,14 @@ class GgufFile:
             raise OSError(f"{self.path} ends inside its tensor {theirs} (truncated)")
         return raw
 
-    def requantized(self, names: list[str]) -> list[str]:
-        """The tensor types of these weights that 4-bit layers do not take as they are."""
+    def requantized(self, names: list[str], kernel: str) -> list[str]:
+        """The tensor types of these weights that layers of `kernel` do not take as they are: the
+        library's take its bits' blocks (`blocks`); torch's int4 kernel quantizes again what it is
+        given, which leaves Q4_1's values as they were."""
+        bits = 8 if kernel == "q8" else 4
+        kept = {k.name for k, b in gguf_blocks.FORMS if b == bits} if kernel in ("q4", "q8") else {"Q4_1"}
         kinds = {self.table[self.by_name[n]].kind.name for n in names if n in self.by_name}
-        return sorted(kinds - KEPT)
+        return sorted(kinds - kept)
 
     def layer_kernel(self, names: list[str], kernel: str) -> str:
         """The kernel the layers run with: the library's 8-bit one instead of its 4-bit one where

@@ -1,7 +1,8 @@
 """Models loaded in int4 straight into the lean backend's packed layers (`models.direct`), a tensor
-at a time from a GGUF file or a safetensors folder: the same model, bit for bit, as the former
-path (a GGUF file converted to float32, `from_pretrained`, then `lean.accelerate`); greedy tree
-decoding as plain decoding; and never the whole model in full precision in memory."""
+at a time from a GGUF file or a safetensors folder: a GGUF file's 4-bit blocks as it holds them,
+everything else the same model, bit for bit, as the former path (a GGUF file converted to float32,
+`from_pretrained`, then `lean.accelerate`); greedy tree decoding as plain decoding; and never the
+whole model in full precision in memory."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from models import direct
@@ -107,7 +109,12 @@ def assert_same_model(new, old) -> None:
     assert new.eos_ids == old.eos_ids and new.tokenizer.get_vocab() == old.tokenizer.get_vocab()
 
 
-def test_a_gguf_file_of_many_types_loads_into_the_model_the_conversion_gives(mixed, monkeypatch, capsys):
+def test_a_gguf_file_of_many_types_loads_its_4bit_blocks_as_they_are_and_the_rest_as_the_conversion(
+    mixed, monkeypatch, capsys
+):
+    """Q4_0, Q4_1 and Q4_K weights go into the 4-bit layers as the file's blocks (its values:
+    exactly, Q4_K's steps to float16); every other tensor is what the former path (the file
+    converted, `from_pretrained`, packed) gives, bit for bit."""
     from models.loader import load_backbone
 
     require_kernel("int4", torch.bfloat16)
@@ -116,12 +123,75 @@ def test_a_gguf_file_of_many_types_loads_into_the_model_the_conversion_gives(mix
     said = capsys.readouterr().err
     assert "Converting" not in said and not (new.folder / "model.safetensors").exists()
     (note,) = [line for line in said.splitlines() if line.startswith("note:")]  # one line on what is requantized
-    assert all(kind in note for kind in ("F16", "F32", "Q4_0", "Q4_K", "Q6_K", "Q8_0")) and "Q4_1" not in note
+    assert all(kind in note for kind in ("F16", "F32", "Q6_K", "Q8_0"))
+    assert not any(kind in note for kind in ("Q4_0", "Q4_1", "Q4_K"))
     old_path(monkeypatch)
     old = load_backbone(str(mixed), device="cpu", quantization="int4")
     assert "Converting" in capsys.readouterr().err
-    assert_same_model(new, old)
-    assert torch.equal(logits(new), logits(old)) and greedy(new) == greedy(old)
+    exact = load_file(old.folder / "model.safetensors")  # the conversion: the file's weights in float32
+    mine, theirs = packed_state(new.model), packed_state(old.model)
+    assert mine.keys() == theirs.keys()
+    taken = 0
+    for name, module in new.model.named_modules(remove_duplicate=False):
+        if getattr(module, "kernel", None) != "q4" or name.endswith(".fused"):  # a fused layer by its own name
+            continue
+        got, before = unpacked(module.packed), unpacked(old.model.get_submodule(name).packed)
+        for part, rows in parts_of(new.model, name, module):
+            kind = TYPES.get(gguf_name(f"{part}.weight"), "Q4_0")
+            want = exact[f"{part}.weight"]
+            if kind in ("Q4_0", "Q4_1"):
+                assert torch.equal(got[rows], want), part
+            elif kind == "Q4_K":
+                assert (got[rows] - want).abs().max() < 1e-3 * want.abs().max(), part
+            else:
+                assert torch.equal(got[rows], before[rows]), part  # quantized again, as before
+            taken += kind.startswith("Q4_")
+    assert taken >= 8
+    mine, theirs = ({k: t for k, t in state.items() if not in_4bit_layer(model, t)} for state, model in
+                    ((mine, new.model), (theirs, old.model)))  # fmt: skip
+    assert mine.keys() == theirs.keys() and len(mine) >= 8  # embedding, norms, the lm_head
+    for name, tensor in mine.items():
+        assert tensor.dtype == theirs[name].dtype and torch.equal(tensor, theirs[name]), name
+    assert len(greedy(new)) == 12
+
+
+def in_4bit_layer(model, tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a 4-bit library layer's packed weight, steps or minimums."""
+    held = (m.packed for m in model.modules() if getattr(m, "kernel", None) == "q4")
+    return any(tensor is t for p in held for t in (p.w, p.d, p.m))
+
+
+def unpacked(packed) -> torch.Tensor:
+    """A 4-bit `q4.Packed` weight's values (N, K) as the kernel multiplies them: step·q + minimum."""
+    from core.backends import q4
+
+    n, k = packed.n, packed.k
+    groups = k // 32
+    nibbles = packed.w.view(-1, groups, 4, q4.TILE, 4)  # (tile, group, h, j, i)
+    q = torch.stack([nibbles & 15, nibbles >> 4], dim=-1)  # (tile, group, h, j, i, half)
+    q = q.permute(0, 3, 1, 2, 5, 4).reshape(n, groups, 32).float()  # (tile, j, group, h, half, i)
+    step, low = (
+        x.view(-1, groups, q4.TILE).transpose(1, 2).reshape(n, groups, 1).float() for x in (packed.d, packed.m)
+    )
+    return (q * step + low).view(n, k)
+
+
+def parts_of(model, name: str, module) -> list[tuple[str, slice]]:
+    """The projections the packed layer `name` holds and their rows in it (q, k, v; gate, up; or
+    itself)."""
+    from core.backends.lean.surgery import Part
+
+    owner = name.rpartition(".")[0]
+    parts = model.get_submodule(owner).named_children()
+    held = [(f"{owner}.{n}", slice(m.start, m.stop)) for n, m in parts if isinstance(m, Part) and m.fused is module]
+    return held or [(name, slice(None))]
+
+
+def gguf_name(name: str) -> str:
+    """The GGUF name of a transformers weight of TINY's model."""
+    from tests.gguf_writer import gguf_name as named
+
+    return named(name, TINY["num_hidden_layers"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

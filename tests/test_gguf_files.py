@@ -185,8 +185,8 @@ def test_generate_with_a_gguf_file_replies_as_its_converted_folder_and_the_tree_
         tree, said = generate(capsys, file, *precision)
         assert "Converting" not in said  # converted once, above (int4 reads the file itself)
         assert ("(4-bit int4)" in said) == (not precision) and f"Loading {file} (" in said
-        if kind == "Q8_0" and not precision:  # layers quantized to 8 bits in the file run as 8-bit
-            assert "run as 8-bit" in said
+        if kind in ("Q8_0", "Q4_0") and not precision:  # the layers take the file's blocks (8-bit, 4-bit) as they are
+            assert "run as" not in said  # nothing quantized again to tell of
         else:  # as the converted folder's layers run
             assert tree == generate(capsys, folder, *precision)[0]
         assert tree == generate(capsys, file, "--mode", "baseline", *precision)[0]

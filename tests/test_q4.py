@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
+from core.backends import abi, q4, quantize, stepops
 from core.backends import lean as fast
-from core.backends import q4, quantize, stepops
 from tests.helpers import library_builds
 
 
@@ -296,13 +296,48 @@ def test_8bit_blocks_put_as_they_are_equal_the_weight_quantized_in_c():
         whole = q4.Packed(loaded(), values.bfloat16(), None, bits=8, variant=variant)
         assert torch.equal(whole.rows(torch.arange(48), torch.float32), values)
         blocks = q4.Packed.empty(loaded(), 48, 64, bits=8, variant=variant)
-        blocks.put_q8(32, q[32:], step[32:])
-        blocks.put_q8(0, q[:32], step[:32])
+        blocks.put_blocks(32, q[32:], step[32:])
+        blocks.put_blocks(0, q[:32], step[:32])
         for name in ("w", "d", "m"):
             assert torch.equal(getattr(blocks, name), getattr(whole, name)), name
         x = torch.randn(2, 64, generator=gen).bfloat16()
         assert torch.equal(blocks.rows(torch.arange(48), torch.float32), values)
         assert torch.equal(blocks(x), whole(x))
+
+
+def test_4bit_blocks_put_as_they_are_equal_the_weight_quantized_in_c():
+    """4-bit blocks (q in [0, 15], a float16 step and minimum per 32: GGUF Q4_0's, Q4_1's, Q4_K's
+    in that form) put straight into the layout give what quantizing their values in C gives."""
+    gen = torch.Generator().manual_seed(4)
+    weight = (torch.randn(48, 64, generator=gen) * 0.05).to(torch.bfloat16)
+    q, step, low = quantize.quantize(weight)
+    whole = q4.Packed(loaded(), weight, None, bits=4)
+    blocks = q4.Packed.empty(loaded(), 48, 64, bits=4)
+    blocks.put_blocks(32, q[32:], step[32:].half(), low[32:].half())
+    blocks.put_blocks(0, q[:32], step[:32].half(), low[:32].half())
+    for name in ("w", "d", "m"):
+        assert torch.equal(getattr(blocks, name), getattr(whole, name)), name
+    x = torch.randn(2, 64, generator=gen).to(torch.bfloat16)
+    assert torch.equal(blocks(x), whole(x))
+    with pytest.raises(ValueError, match="8-bit rows 0-16 of width 64 do not fit"):
+        blocks.put_blocks(0, q[:16].to(torch.int8), step[:16].half())
+
+
+def test_negative_4bit_steps_multiply_as_their_weights():
+    """Q4_0's steps are negative where a group's largest weight is positive (w = d·(q − 8)): the
+    kernel multiplies those weights as closely as their mirror image with positive steps."""
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randint(0, 16, (32, 64), generator=gen, dtype=torch.uint8)
+    step = -(torch.rand(32, 2, generator=gen) * 0.01 + 0.001).half()
+    twins = ((q, step, step * -8), (15 - q, -step, step * 7))  # the same weights (up to float16 rounding)
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    errors = []
+    for qs, steps, lows in twins:
+        packed = q4.Packed.empty(loaded(), 32, 64, bits=4)
+        packed.put_blocks(0, qs, steps, lows)
+        values = (qs.float().view(32, 2, 32) * steps.float()[..., None] + lows.float()[..., None]).view(32, 64)
+        errors.append((packed(x).float() - x.float() @ values.T).abs().max())
+    assert errors[0] <= 2 * errors[1] + 1e-3
 
 
 def amx_loaded():
@@ -375,7 +410,7 @@ def test_a_compiler_without_amx_and_avx_vnni_builds_the_library_without_them(tmp
     target = tmp_path / "old.so"
     flags = [*q4.FLAGS, "-DQ4_NEW_ISAS=0", *map(str, q4.SOURCES), "-o", str(target)]
     subprocess.run([q4._compiler(), *flags], check=True, capture_output=True, timeout=300)
-    old = q4._open(target)
+    old = abi.load(target, q4.VERSION)
     assert old.q4_amx() == -1 and old.q4_avx_vnni(1) == -1
     gen = torch.Generator().manual_seed(12)
     weight, x = torch.randn(48, 96, generator=gen) * 0.05, torch.randn(5, 96, generator=gen).to(torch.bfloat16)

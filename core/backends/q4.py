@@ -32,15 +32,14 @@ import platformdirs
 import torch
 from torch import Tensor
 
+from core.backends import abi
 from core.backends.quantize import GROUP, reference
 
 NATIVE = Path(__file__).parent / "native"
-SOURCES = tuple(
-    NATIVE / f"{name}.c"
-    for name in ("q4gemm", "avx2", "amx", "attend", "attend_amx", "attend_amx8", "attend_dot", "step", "decode")
-)  # compiled together, with the headers
+_FILES = ("q4gemm", "avx2", "amx", "attend", "attend_amx", "attend_amx8", "attend_dot", "step", "decode")
+SOURCES = tuple(NATIVE / f"{name}.c" for name in _FILES)  # compiled together, with the headers
 HEADERS = (NATIVE / "common.h", NATIVE / "attend_amx.h")
-VERSION = 21  # q4_version() of the source above
+VERSION = 22  # q4_version() of the source above
 TILE = 16  # outputs per tile (inputs per scale: `quantize.GROUP`)
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
 ISAS = {"avx512-vnni": 2, "avx2": 1}  # the kernel variants, as q4_gemm numbers them
@@ -189,34 +188,6 @@ class Layer(ctypes.Structure):
     ]
 
 
-def _open(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
-    lib.q4_version.restype = ctypes.c_int
-    if lib.q4_version() != VERSION:
-        raise OSError(f"it is version {lib.q4_version()}, not {VERSION}")
-    lib.q4_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-    lib.q4_quantize.argtypes += [ctypes.c_void_p] * 3
-    lib.q4_quantize.restype = None
-    lib.q4_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p]
-    lib.q4_run.argtypes += [ctypes.c_int64, ctypes.c_void_p]
-    lib.q4_run.restype = ctypes.c_int
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.q4_attention.argtypes = [ctypes.c_int, ctypes.c_int, i64, i64, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr]
-    lib.q4_attention.argtypes += [ctypes.c_float, ptr]
-    lib.q4_attention.restype = ctypes.c_int
-    lib.q4_rmsnorm.argtypes = [ctypes.c_int, i64, i64, ptr, i64, ptr, ctypes.c_int, ctypes.c_float, ptr]
-    lib.q4_rmsnorm.restype = None
-    lib.q4_kv8_store.argtypes, lib.q4_kv8_store.restype = [ptr, i64, ptr], None
-    lib.q4_decode.argtypes = [ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64]
-    lib.q4_decode.argtypes += [ptr, i64, ptr]
-    lib.q4_decode.restype = ctypes.c_int
-    lib.q4_amx.argtypes = lib.q4_amx_attention.argtypes = []
-    lib.q4_amx.restype = lib.q4_amx_attention.restype = ctypes.c_int
-    lib.q4_avx_vnni.argtypes = [ctypes.c_int]
-    lib.q4_avx_vnni.restype = ctypes.c_int
-    return lib
-
-
 def _load() -> ctypes.CDLL:
     compiler = _compiler()
     path = _artifact(compiler)
@@ -225,7 +196,7 @@ def _load() -> ctypes.CDLL:
         try:
             _check(path)
             opened = True
-            lib = _open(path)
+            lib = abi.load(path, VERSION)
             _self_test(lib)
             return lib
         except (OSError, AssertionError) as error:
@@ -235,12 +206,12 @@ def _load() -> ctypes.CDLL:
             path.unlink(missing_ok=True)
     _build(compiler, path)
     if not opened:
-        lib = _open(path)
+        lib = abi.load(path, VERSION)
     else:  # load the new build under a name of its own
         alias = path.with_name(f"{path.stem}-{os.getpid()}.so")
         os.link(path, alias)
         try:
-            lib = _open(alias)
+            lib = abi.load(alias, VERSION)
         finally:
             alias.unlink()
     _self_test(lib)
@@ -330,16 +301,23 @@ class Packed:
         vnni = self.variant == ISAS["avx512-vnni"]
         self.lib.q4_quantize(source.data_ptr(), rows, k, self.bits, vnni, w.data_ptr(), d.data_ptr(), m.data_ptr())
 
-    def put_q8(self, start: int, q: Tensor, step: Tensor) -> None:
-        """Rows [start, start + len(q)) of an 8-bit weight from (rows, K) int8 q and (rows, K/32)
-        float16 steps (GGUF Q8_0's blocks), taken as they are."""
-        rows, k = q.shape
-        if self.bits != 8 or start % TILE or rows % TILE or k != self.k or start + rows > self.n:
-            raise ValueError(f"8-bit rows {start}-{start + rows} of width {k} do not fit this packed weight")
+    def put_blocks(self, start: int, q: Tensor, step: Tensor, low: Tensor | None = None) -> None:
+        """Rows [start, start + len(q)) from blocks taken as they are: 8 bits, (rows, K) int8 q, (rows, K/32)
+        float16 steps (GGUF Q8_0's); 4 bits, uint8 q in [0, 15] (or `models.gguf_blocks.Nibbles`), float16
+        steps and minimums (Q4_0/1/K's)."""
+        (rows, k), bits = q.shape, 8 if low is None else 4
+        fits = (bits, q.dtype) == (self.bits, torch.int8 if bits == 8 else torch.uint8) and k == self.k
+        if not fits or start % TILE or rows % TILE or start + rows > self.n:
+            raise ValueError(f"{bits}-bit rows {start}-{start + rows} of width {k} do not fit this packed weight")
         groups, tiles = k // GROUP, slice(start // TILE, (start + rows) // TILE)
+        self.d.view(-1, groups, TILE)[tiles] = step.view(-1, TILE, groups).permute(0, 2, 1)
+        if low is not None:  # laid out in C, in one pass on every core (`pack`: a file's blocks as they lie)
+            at = self.w[start * k // 2 :].data_ptr()
+            q.pack(self.lib, at) if hasattr(q, "pack") else self.lib.q4_pack4(q.contiguous().data_ptr(), rows, k, at)
+            self.m.view(-1, groups, TILE)[tiles] = low.view(-1, TILE, groups).permute(0, 2, 1)
+            return
         blocks = q.view(-1, TILE, groups, 8, 4)  # (tile, j, group, u, i) → the layout's (tile, group, u, j, i)
         self.w.view(torch.int8).view(-1, groups, 8, TILE, 4)[tiles] = blocks.permute(0, 2, 3, 1, 4)
-        self.d.view(-1, groups, TILE)[tiles] = step.view(-1, TILE, groups).permute(0, 2, 1)
         vnni = self.variant == ISAS["avx512-vnni"]
         sums = q.view(-1, TILE, groups, GROUP).sum(-1, dtype=torch.int32).permute(0, 2, 1)
         self.m.view(-1, groups, TILE)[tiles] = 128 * sums if vnni else 0

@@ -102,11 +102,11 @@ class TiedHead(PackedLinear):
 
     @classmethod
     def from_blocks(cls, shape: tuple[int, int], dtype: torch.dtype, blocks) -> TiedHead:
-        """The (V, H) table from 8-bit blocks as a file holds them (`q4.Packed.put_q8`'s parts:
+        """The (V, H) table from 8-bit blocks as a file holds them (`q4.Packed.put_blocks`'s parts:
         first row, int8 q, float16 steps), taken exactly, with no dense copy on the way."""
         head = cls.empty(*shape, "q8")
         for start, q, step in blocks:
-            head.packed.put_q8(start, q, step)
+            head.packed.put_blocks(start, q, step)
         head.dtype, head.device = dtype, torch.device("cpu")
         return head
 

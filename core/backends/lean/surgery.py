@@ -105,6 +105,27 @@ class PackAsRead:
         """Whether the weight `name` (in the layer: "mlp.up_proj.weight") was packed; False: the
         caller sets it on the layer (not a linear weight, or a kernel or shape this does not take).
         The group's biases must be set on the layer before its last weight comes."""
+        return self._put(name, lambda packed, first: packed.put(first, weight))
+
+    @property
+    def bits(self) -> int | None:
+        """The bits of the weights this packs (None: it packs none)."""
+        return {"q4": 4, "q8": 8}.get(self.kernel)
+
+    def take_blocks(self, name: str, blocks) -> bool:
+        """As `take`, from the weight's blocks as a file holds them, in the form of `bits`
+        (`q4.Packed.put_blocks`' parts: first row, then q, steps and, at 4 bits, minimums), taken
+        as they are; False, and nothing read, where this does not pack it."""
+
+        def put(packed: PackedLinear, first: int) -> None:
+            for start, *block in blocks:
+                packed.put_blocks(first + start, *block)
+
+        return self._put(name, put)
+
+    def _put(self, name: str, put) -> bool:
+        """`put(packed, first row)` fills the weight `name`'s rows of its packed group; False where
+        this does not pack it."""
         parent_name, _, leaf = name.removesuffix(".weight").rpartition(".")
         group = next((g for g in GROUPS if g[0] == parent_name and leaf in g[2]), None)
         if self.kernel not in LIBRARY or not name.endswith(".weight") or group is None:
@@ -114,10 +135,10 @@ class PackAsRead:
         columns = getattr(parent, leaf).in_features
         if q4.library() is None or not all(q4.fits(width, columns) for width in widths):
             return False
-        packed, put = self.open.setdefault(group[1], (PackedLinear.empty(sum(widths), columns, self.kernel), set()))
-        packed.packed.put(sum(widths[: names.index(leaf)]), weight)
-        put.add(leaf)
-        if len(put) == len(names):
+        packed, done = self.open.setdefault(group[1], (PackedLinear.empty(sum(widths), columns, self.kernel), set()))
+        put(packed.packed, sum(widths[: names.index(leaf)]))
+        done.add(leaf)
+        if len(done) == len(names):
             packed.set_bias(_bias([getattr(parent, one) for one in names]))
             _install(parent, group[1], names, packed)
             del self.open[group[1]]

@@ -28,7 +28,7 @@
  * at 1–8B shapes: 4–8 rows 10–25 % faster; one row streams at memory speed without it). */
 #define PF 4
 
-int q4_version(void) { return 21; }
+int q4_version(void) { return 22; }
 
 /* bf16 weights (N×K, N % 16 == 0, K % 32 == 0) → the kernel's layout in one pass, as core/q4.py's
  * quantize (4 bits: step = (max − min)/15 and q = round((w − min)/step) per group, d and m float16
@@ -78,6 +78,40 @@ __attribute__((target("f16c"))) void q4_quantize(const uint16_t *w, int64_t n, i
       }
     }
   }
+}
+
+/* A group's 32 4-bit values → its 16 bytes for output j of its tile's 256 (see the top). */
+static inline void pack_group(const uint8_t *v, int64_t j, uint8_t *o) {
+  for (int h = 0; h < 4; h++)
+    for (int i = 0; i < 4; i++) o[64 * h + 4 * j + i] = (uint8_t)(v[8 * h + i] | (v[8 * h + 4 + i] << 4));
+}
+
+/* 4-bit q already quantized (N×K bytes, each in [0, 15]) → the layout's bytes, as q4_quantize
+ * lays them out (the steps and minimums are placed by the caller). */
+void q4_pack4(const uint8_t *q, int64_t n, int64_t k, uint8_t *out) {
+  int64_t groups = k / GROUP;
+#pragma omp parallel for schedule(static)
+  for (int64_t row = 0; row < n; row++)
+    for (int64_t g = 0; g < groups; g++)
+      pack_group(q + row * k + g * GROUP, row % TILE, out + (row / TILE * groups + g) * TILE_BYTES);
+}
+
+/* The same from a GGUF file's 4-bit blocks as they lie (rows `row` bytes apart; models/gguf_blocks.py):
+ * group g in block g / per of `block` bytes, its values from byte `head` on. Q4_0, Q4_1 (per 1):
+ * value i in the low nibble of byte i, 16 + i in its high one. Q4_K (runs, per 8): groups 2c and
+ * 2c + 1 in the low and the high nibbles of the 32 bytes from 32c on. */
+void q4_pack_nibbles(const uint8_t *src, int64_t n, int64_t k, int64_t row, int64_t block, int64_t head, int runs,
+                     uint8_t *out) {
+  int64_t groups = k / GROUP, per = runs ? 8 : 1;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < n; r++)
+    for (int64_t g = 0; g < groups; g++) {
+      const uint8_t *b = src + r * row + g / per * block + head + (runs ? 32 * (g % per / 2) : 0);
+      uint8_t v[GROUP];
+      for (int i = 0; i < GROUP; i++)
+        v[i] = runs ? (uint8_t)((b[i] >> (4 * (g % 2))) & 15) : (uint8_t)(i < 16 ? b[i] & 15 : b[i - 16] >> 4);
+      pack_group(v, r % TILE, out + (r / TILE * groups + g) * TILE_BYTES);
+    }
 }
 
 /* ---------------------------------------------------------------- AVX-512 VNNI */
