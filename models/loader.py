@@ -7,6 +7,7 @@ how much memory it will take; `heads_for` finds the heads to draft with.
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from core.drafters.eagle import EagleDraft, load_draft
 from core.drafters.retrieval import Corpus, load_corpus
 from core.errors import UserError
 from core.measure import costs, cpu_attention, kernels
-from models import catalog, direct, gguf_files, hub
+from models import catalog, direct, gguf_files, hub, kv_choice
 from models.choices import DTYPE_NAMES
 from models.cpu import transpose_linears
 from models.eagle_formats import EAGLE_FILES, load_published
@@ -256,6 +257,10 @@ def load_backbone(
         raise UserError(f"Could not load the model in {spec.folder} ({e}).") from e
     eos = _eos_ids(model, tokenizer)
     backend = _backend(model, choice, quant)
+    if quant == "int4" and backend is not None:  # 8-bit keys and values only where they keep its answers
+        record = cache_dir() / "cpu-kernels.json"
+        rebuild = functools.partial(_backend, model, choice, quant)
+        backend = kv_choice.faithful(backend, config.get_text_config(), tokenizer, spec.folder, record, rebuild)
     return Backbone(spec.name, model, tokenizer, eos, spec.chat_template, spec.folder, backend, spec.gguf)
 
 

@@ -30,17 +30,18 @@ ONE_ROW_LOSS = 0.1  # the most a one-token step's attention may lose for a choic
 KV8_GAIN = 1.1  # 8-bit keys and values are taken where a one-token step's attention is this much faster with them
 
 
-def use_measured(config, int4: bool, record: Path) -> None:
+def use_measured(config, int4: bool, record: Path, kv8: bool = True) -> None:
     """The step ops' attention choices for the models loaded next (`stepops.use_attention`,
     `stepops.use_kv_bits`), measured for `config`'s heads or remembered; 8-bit keys and values only
-    with `int4` (the library's decoder reads them). Nothing changes for a config without heads."""
+    with `int4` (the library's decoder reads them) and `kv8` (False: the model would not keep its
+    answers with them, `models.kv_choice`). Nothing changes for a config without heads."""
     heads = getattr(config, "num_attention_heads", None)
     if not heads:
         return
     dim = head_size(config)
     kv = getattr(config, "num_key_value_heads", None) or heads
     layers = getattr(config, "num_hidden_layers", 1)
-    bits = kv_bits(heads, kv, dim, layers, record) if int4 else 16
+    bits = kv_bits(heads, kv, dim, layers, record) if int4 and kv8 else 16
     stepops.use_kv_bits(bits)
     stepops.use_attention(attention_kernel(heads, kv, dim, layers, record, bits))
 

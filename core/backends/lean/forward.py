@@ -40,9 +40,10 @@ class LeanForward:
         self.native = native_decoder(base.layers, config, self.layers, self.rope_of)  # every layer in one call, or None
         self.kv_bits = stepops.kv_bits()  # the keys' and values' bits where the library's decoder runs the layers
 
-    def new_cache(self) -> StaticKV:
-        """An empty cache: 8-bit keys and values only for the library's decoder (torch's layers take bf16)."""
-        bits = self.kv_bits if self.native is not None else 16
+    def new_cache(self, bits: int | None = None) -> StaticKV:
+        """An empty cache, its keys and values in `bits` (None: the model's `kv_bits`): 8 bits only
+        for the library's decoder (torch's layers take bf16)."""
+        bits = (bits or self.kv_bits) if self.native is not None else 16
         return StaticKV(len(self.layers), self.kv_heads, self.head_dim, self.dtype, bits=bits)
 
     def run(
