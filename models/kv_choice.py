@@ -24,7 +24,7 @@ def faithful(backend, config, tokenizer, folder: Path, record: Path, rebuild):
         return backend
     key = kernels.record_key("kv8 divergence", str(folder))
     ids = _text(tokenizer, getattr(config, "max_position_embeddings", None) or TOKENS)
-    divergence = kernels.recall(record, key, float, lambda _: kv_fidelity.kv8_divergence(backend, ids))
+    divergence = kernels.recall(record, key, float, lambda _: _measure(backend, ids))
     if divergence <= kv_fidelity.KV8_KL:
         return backend
     print(
@@ -34,6 +34,11 @@ def faithful(backend, config, tokenizer, folder: Path, record: Path, rebuild):
     )
     cpu_attention.use_measured(config, int4=True, record=record, kv8=False)
     return rebuild()
+
+
+def _measure(backend, ids: torch.Tensor) -> float:
+    print("checking this model's answers with 8-bit keys and values (once, two prompt reads)…", file=sys.stderr)
+    return kv_fidelity.kv8_divergence(backend, ids)
 
 
 def _text(tokenizer, positions: int) -> torch.Tensor:
