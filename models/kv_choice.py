@@ -23,8 +23,8 @@ def faithful(backend, config, tokenizer, folder: Path, record: Path, rebuild):
     if getattr(forward, "kv_bits", 16) != 8 or getattr(forward, "native", None) is None:
         return backend
     key = kernels.record_key("kv8 divergence", str(folder))
-    ids = _text(tokenizer, getattr(config, "max_position_embeddings", None) or TOKENS)
-    divergence = kernels.recall(record, key, float, lambda _: _measure(backend, ids))
+    positions = getattr(config, "max_position_embeddings", None) or TOKENS
+    divergence = kernels.recall(record, key, float, lambda _: _measure(backend, _text(tokenizer, positions)))
     if divergence <= kv_fidelity.KV8_KL:
         return backend
     print(
