@@ -183,30 +183,27 @@ class Fastest(Drafter):
                     self._gap = FIRST_GAP if self._doubt else EVERY
                 else:
                     self._gap = min(2 * self._gap, MAX_GAP) if kept else EVERY
-                self._gap = max(self._gap, self._costly_gap(leader))
-                self._sit_out(leader)
+                lost = {name: self._lost(name, leader) for name in self._taking if name != leader}
+                self._gap = max(self._gap, self._costly_gap(leader, lost))
+                self._sit_out(leader, lost)
         self.drafters[self.active].observe(draft, emitted, seconds)
 
-    def _sit_out(self, leader: str) -> None:
-        """After a trial: which of its losers sit out the next ones. The reference (else the first
-        named) and the leader take every trial; where those are one, so does the loser that lost
-        least, so a trial always compares two."""
+    def _sit_out(self, leader: str, lost: dict[str, float]) -> None:
+        """After a trial (`lost`: each other drafter's `_lost` seconds in it): which of its losers
+        sit out the next ones. The reference (else the first named) and the leader take every
+        trial; where those are one, so does the loser that lost least, so a trial always compares two."""
         anchor = self.reference or self._names[0]
-        losers = [
-            n
-            for n in self._taking
-            if n not in (leader, anchor) and len(self.trials[n]) >= EVIDENCE and self._beats(leader, n)
-        ]
-        losers = sorted((n for n in losers if self._lost(n, leader) > 0), key=lambda n: self._lost(n, leader))
+        clear = [n for n, s in lost.items() if n != anchor and s > 0 and len(self.trials[n]) >= EVIDENCE]
+        losers = sorted((n for n in clear if self._beats(leader, n)), key=lost.get)
         for name in set(self._taking) - set(losers):
             self._losses[name] = 0
         for name in losers[1:] if leader == anchor else losers:
             self._losses[name] += 1
             self._out[name] = min(SIT_OUT, 2 ** (self._losses[name] - 1))
 
-    def _costly_gap(self, leader: str) -> int:
+    def _costly_gap(self, leader: str, lost: dict[str, float]) -> int:
         """The steps after a trial that keep what its losing turns cost within `SHARE` of the time:
-        the seconds each other drafter's turns took beyond what the leader's rate in the same
+        `lost`, the seconds each other drafter's turns took beyond what the leader's rate in the same
         trial would have made their tokens in (none where they gained), over SHARE × the leader's
         step time; at most MAX_GAP. Where no tree pays (AVX2 kernels: EAGLE's turns took 2-4× a
         plain step for 1-2 tokens), trials 32 steps apart cost the default ~10 % of its speed."""
@@ -214,8 +211,7 @@ class Fastest(Drafter):
         seconds = sum(s for _, s in turns)
         if seconds <= 0:
             return 0
-        lost = sum(self._lost(name, leader) for name in self._taking if name != leader)
-        return min(MAX_GAP, math.ceil(lost / (SHARE * seconds / len(turns))))
+        return min(MAX_GAP, math.ceil(sum(lost.values()) / (SHARE * seconds / len(turns))))
 
     def _lost(self, name: str, leader: str) -> float:
         """The seconds `name`'s turns in the trial that just ended took beyond what the leader's

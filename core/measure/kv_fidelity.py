@@ -3,9 +3,9 @@ weights, once, against bf16 keys and values.
 
 8-bit keys and values (one scale a row: `StaticKV(bits=8)`) halve what a step reads at long
 contexts, and most models barely notice: the embedded SmolLM2-135M's top-1 agreement with its
-file's exact answer went from 94.5 % to 94.4 % (767 positions). Gemma 3 (heads of 256, keys
-after a norm whose weights vary widely across channels) went from 96.2 % to 92.2 %, 4 points
-under llama.cpp's own. So the choice is the model's: the mean KL divergence of its next-token
+file's exact answer went from 94.5 % to 94.4 % (767 positions). Gemma 3 270M (heads of 256: one
+scale for 256 values a row) went from 96.2 % to 92.2 %, 4 points under llama.cpp's own; which of
+its keys or values lose most was not measured. So the choice is the model's: the mean KL divergence of its next-token
 distributions with 8-bit keys and values from those with bf16 ones, teacher-forced over a fixed
 text (the calibration prompts), must stay under `KV8_KL` (measured: the embedded model 0.008,
 Gemma 3 270M 0.012 nats; a random-weight 1.7B model 0.002).
