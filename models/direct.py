@@ -24,14 +24,17 @@ import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor, nn
-from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from core.backends import lean
 from core.errors import UserError
+from models import light
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 LAYER = re.compile(r"\.layers\.(\d+)\.")  # a decoder layer's weight, by the index it carries
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -50,21 +53,6 @@ class TensorSource(Protocol):
 
     def close(self) -> None:
         """Done reading."""
-
-
-def skeleton(config, dtype: torch.dtype) -> PreTrainedModel:
-    """The model of `config` with its parameters on the meta device (no memory) and its
-    non-persistent buffers (rotary frequencies) computed on the CPU, as `from_pretrained` does."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    owners = {name.rpartition(".")[0] for name, _ in model.named_non_persistent_buffers()}
-    for owner in owners:
-        module = model.get_submodule(owner)
-        for key, buffer in list(module._buffers.items()):
-            if buffer is not None and buffer.is_meta:
-                module._buffers[key] = torch.empty_like(buffer, device="cpu")
-        model._init_weights(module)
-    return model.eval()
 
 
 def needed(model: PreTrainedModel) -> list[str]:
@@ -96,7 +84,7 @@ def packed_model(
     from models.direct_gguf import GgufFile, say_requantized
     from models.headers import Unreadable
 
-    model = skeleton(config, dtype)
+    model = light.skeleton(config, dtype, folder)
     try:
         source = GgufFile(gguf, model, CHUNK) if gguf is not None else folder_source(folder)
     except (OSError, ValueError, Unreadable) as e:

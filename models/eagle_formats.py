@@ -21,17 +21,20 @@ from __future__ import annotations
 import json
 import pickle
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor, nn
-from transformers import LlamaConfig
 
 from core.backends.lean import table_of
 from core.drafters.eagle import EagleDraft, fill
 from core.drafters.eagle3 import Eagle3Draft
 from core.errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
 
 EAGLE_FILES = ["config.json", "pytorch_model.bin", "model.safetensors"]
 
@@ -125,6 +128,8 @@ def load_eagle3(folder: Path, tensors: dict[str, Tensor], model: nn.Module) -> E
 
 def _eagle3_config(folder: Path) -> LlamaConfig:
     """The draft layer's shape, from the checkpoint's config.json."""
+    from transformers import LlamaConfig
+
     try:
         fields = json.loads((folder / "config.json").read_text())
         config = LlamaConfig(**{k: v for k, v in fields.items() if k not in ("architectures", "model_type")})

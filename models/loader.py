@@ -13,9 +13,9 @@ import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
 from core.backends import lean, q4
 from core.backends.base import Backend
@@ -24,13 +24,16 @@ from core.drafters.eagle import EagleDraft, load_draft
 from core.drafters.retrieval import Corpus, load_corpus
 from core.errors import UserError
 from core.measure import costs, cpu_attention, kernels
-from models import catalog, direct, gguf_files, hub, kv_choice
+from models import catalog, direct, gguf_files, hub, kv_choice, light
 from models.choices import DTYPE_NAMES
 from models.cpu import transpose_linears
 from models.eagle_formats import EAGLE_FILES, load_published
 from models.embedded import EMBEDDED_ID, cache_dir, embedded_described
 from models.heads import MedusaHeads, load_heads
 from models.quantization import bnb_config, estimate_gb, pick_quantization
+
+if TYPE_CHECKING:  # transformers' model code is imported only where a model needs it (`models.light`)
+    from transformers import PreTrainedModel
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 BACKBONE_FILES = ["*.json", "*.safetensors", "*.bin", "tokenizer.model", "*.txt"]
@@ -190,11 +193,16 @@ def pick_dtype(name: str, device: torch.device, config: object | None = None) ->
     return DTYPES[cpu_choice(config, None, False).dtype]
 
 
+def _record() -> Path:
+    """Where this machine's kernel measurements are remembered."""
+    return cache_dir() / "cpu-kernels.json"
+
+
 def cpu_choice(config: object | None, dtype: str | None, int4: bool) -> kernels.Choice:
     """The dtype and matmul kernels to run `config`'s model with on this CPU (measured once)."""
     hidden = getattr(config, "hidden_size", 1024)
     inner = getattr(config, "intermediate_size", 4 * hidden)
-    record = cache_dir() / "cpu-kernels.json"
+    record = _record()
     cpu_attention.use_measured(config, int4, record)  # keys and values' bits, then the attention kernel
     if int4:  # the 4-bit kernels' flavors first: the kernels are then timed as they will run
         q4.use_amx(kernels.amx_rows(hidden, inner, record))
@@ -213,7 +221,7 @@ def load_backbone(
     spec = spec or resolve(name, on_progress)
     dev = pick_device(device)
     try:
-        config = AutoConfig.from_pretrained(spec.folder)
+        config = light.read_config(spec.folder, gguf=spec.gguf is not None)
     except (OSError, ValueError) as e:
         raise UserError(f"The model in {spec.folder} has an unreadable config.json ({e}).") from e
     quant = pick_quantization(quantization, dev, config, dtype)
@@ -258,9 +266,8 @@ def load_backbone(
     eos = _eos_ids(model, tokenizer)
     backend = _backend(model, choice, quant)
     if quant == "int4" and backend is not None:  # 8-bit keys and values only where they keep its answers
-        record = cache_dir() / "cpu-kernels.json"
         rebuild = functools.partial(_backend, model, choice, quant)
-        backend = kv_choice.faithful(backend, config.get_text_config(), tokenizer, spec.folder, record, rebuild)
+        backend = kv_choice.faithful(backend, config.get_text_config(), tokenizer, spec.folder, _record(), rebuild)
     return Backbone(spec.name, model, tokenizer, eos, spec.chat_template, spec.folder, backend, spec.gguf)
 
 
@@ -269,6 +276,8 @@ def load_tokenizer(spec: ModelSpec):
     as it is serialized rather than rebuilt by its family's class from vocabulary and merges in
     Python: the same ids and text (tested), and for Gemma's 262k vocabulary ~160 MB less held and
     a second less to load."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
     if spec.gguf is not None and (Path(spec.tokenizer_folder) / "tokenizer.json").is_file():
         return PreTrainedTokenizerFast.from_pretrained(spec.tokenizer_folder)
     return AutoTokenizer.from_pretrained(spec.tokenizer_folder)
@@ -278,7 +287,7 @@ def _backend(model: PreTrainedModel, choice: kernels.Choice | None, quant: str) 
     """The lean forward with the kernels measured on this machine where `choice` is one (None:
     transformers' own forward, its linear layers transposed in float32 on the CPU)."""
     if choice is not None:
-        record = cache_dir() / "cpu-kernels.json"  # the lm_head's by-node choice is remembered with the kernels'
+        record = _record()  # the lm_head's by-node choice is remembered with the kernels'
         with direct.large_blocks_apart():
             return lean.accelerate(model, choice.kernel, choice.head_kernel, lambda h: kernels.head_by_row(h, record))
     if model.device.type == "cpu" and model.dtype == torch.float32 and quant == "none":
@@ -299,24 +308,10 @@ def _load_model(
             )
         if model is not None:
             return model
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(gguf_files.with_weights(spec.folder, spec.gguf), **options)
     return (model if quant in ("nf4", "int8", "pre-quantized") else model.to(dev)).eval()
-
-
-def load_stock(backbone: Backbone, dtype: torch.dtype, same_quantization: bool = False) -> PreTrainedModel:
-    """The backbone's model as stock transformers loads it, with none of our speed-ups: the
-    reference the benchmark compares against. `same_quantization`: in the backbone's own
-    bitsandbytes setting (its dtype and 4- or 8-bit weights) where it has one, on its device."""
-    device = backbone.model.device
-    quant = getattr(backbone.model.config, "quantization_config", None)
-    if same_quantization and quant is not None:
-        options = {"quantization_config": quant} if not isinstance(quant, dict) else {}  # a dict: the repo's own
-        model = AutoModelForCausalLM.from_pretrained(
-            backbone.folder, dtype=backbone.model.dtype, device_map=device_map(device), **options
-        )
-        return model.eval()
-    model = AutoModelForCausalLM.from_pretrained(gguf_files.with_weights(backbone.folder, backbone.gguf), dtype=dtype)
-    return model.to(device).eval()
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: object) -> tuple[int, ...]:
@@ -388,7 +383,7 @@ def heads_for(backbone: Backbone, heads_dir: str | Path | None, num_heads: int =
     if backbone.backend.layer_kernel is not None and heads.num_layers:  # the lean CPU forward: draft with this
         # CPU's fastest kernel (heads without blocks draft through the lm_head: nothing to pack or time)
         width = heads.vocab_size if heads.token_ids is None else len(heads.token_ids)
-        dtype, kernel = kernels.drafting(width, heads.hidden_size, heads.num_heads, cache_dir() / "cpu-kernels.json")
+        dtype, kernel = kernels.drafting(width, heads.hidden_size, heads.num_heads, _record())
         heads.pack(kernel, kernels.DTYPES[dtype])
     return heads, trained
 

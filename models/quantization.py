@@ -7,10 +7,10 @@ import importlib.util
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from core.backends import lean, q4
 from core.errors import UserError
+from models import light
 from models.choices import QUANTIZATIONS
 
 
@@ -66,8 +66,7 @@ def estimate_gb(config: object, dtype: torch.dtype, quantization: str, head_kern
     """Memory of the weights once loaded: linear layers at the quantized width, the rest at dtype,
     and on the lean CPU forward the lm_head's packed copy (`head_kernel`, the kernel chosen for it;
     a tied 8-bit one is the embedding too)."""
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config)
+    meta = light.on_meta(config)
     output = meta.get_output_embeddings()
     linear = sum(m.weight.numel() for m in meta.modules() if isinstance(m, torch.nn.Linear) and m is not output)
     total = sum(p.numel() for p in meta.parameters())

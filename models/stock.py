@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from core.decode import precision
-from models.loader import Backbone, load_stock
+from models import gguf_files
+from models.loader import Backbone, device_map
 from models.quantization import estimate_gb
 
 
@@ -41,3 +42,19 @@ def _short_of_memory(backbone: Backbone, dtype: torch.dtype, quantized: bool) ->
     if free >= need:
         return None
     return f"its copy of the model needs about {need:.1f} GB of GPU memory and {free:.1f} GB is free."
+
+
+def load_stock(backbone: Backbone, dtype: torch.dtype, same_quantization: bool = False) -> PreTrainedModel:
+    """The backbone's model as stock transformers loads it, with none of our speed-ups: the
+    reference the benchmark compares against. `same_quantization`: in the backbone's own
+    bitsandbytes setting (its dtype and 4- or 8-bit weights) where it has one, on its device."""
+    device = backbone.model.device
+    quant = getattr(backbone.model.config, "quantization_config", None)
+    if same_quantization and quant is not None:
+        options = {"quantization_config": quant} if not isinstance(quant, dict) else {}  # a dict: the repo's own
+        model = AutoModelForCausalLM.from_pretrained(
+            backbone.folder, dtype=backbone.model.dtype, device_map=device_map(device), **options
+        )
+        return model.eval()
+    model = AutoModelForCausalLM.from_pretrained(gguf_files.with_weights(backbone.folder, backbone.gguf), dtype=dtype)
+    return model.to(device).eval()

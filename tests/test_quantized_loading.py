@@ -17,7 +17,6 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 from core.decode.generate import collect, stream
 from core.decode.settings import DecodeSettings
 from core.errors import UserError
-from models import loader
 from models.loader import device_map, load_backbone, pick_device
 from tests.tiny_folder import save_tiny_model
 
@@ -41,7 +40,7 @@ def spy_loads(monkeypatch, stop: bool = False) -> list[dict]:
             raise Stop
         return original(folder, **options)
 
-    monkeypatch.setattr(loader.AutoModelForCausalLM, "from_pretrained", spy)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", spy)
     return seen
 
 

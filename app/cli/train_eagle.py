@@ -22,7 +22,7 @@ def train_eagle(
     from core.train import eagle as eagle_train
     from core.train import heads as train
     from core.train import replies
-    from models.loader import load_stock
+    from models.stock import load_stock
 
     stock = load_stock(backbone, torch.bfloat16)  # batched features: bf16 on unpacked weights is fastest
     layers = stock.config.get_text_config().num_hidden_layers

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
 from core.backends.base import Backend, Cache
 from core.backends.cache import Kept
@@ -25,6 +25,9 @@ from core.decode.tree import SOURCES
 from core.drafters.base import Draft, Drafter, NoDrafter
 from core.errors import ContextExceeded, UserError
 from core.measure.clock import now
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 FINISH_REASONS = ("eos", "stop", "length", "cancelled")
 

@@ -57,22 +57,28 @@ class EagleDraft(nn.Module):
         layers) fused with the last feature on committed positions (none: the last only)."""
         super().__init__()
         self.taps = tuple(sorted(set(taps)))
-        config = copy.deepcopy(model.config.get_text_config())
+        base = model.base_model
+        # the backbone's own decoder layer, norm and rotary classes (transformers' for a model built
+        # without them: `models.light`)
+        parts = model.hf_parts() if hasattr(model, "hf_parts") else None
+        config = copy.deepcopy(model.config.get_text_config()) if parts is None else parts[0]
+        layer_class, norm_class, rotary_class = (
+            parts[1:] if parts else map(type, (base.layers[0], base.norm, base.rotary_emb))
+        )
         config.num_hidden_layers = 1
         config._attn_implementation = "sdpa"
-        base = model.base_model
         hidden = config.hidden_size
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
         if self.taps:
             self.fuse = nn.Linear((len(self.taps) + 1) * hidden, hidden, bias=False)
-        self.layer = type(base.layers[0])(config, 0)  # the backbone's own decoder layer class
-        self.norm = type(base.norm)(hidden, eps=getattr(config, "rms_norm_eps", 1e-6))
+        self.layer = layer_class(config, 0)
+        self.norm = norm_class(hidden, eps=getattr(config, "rms_norm_eps", 1e-6))
         if not input_norm:
             self.layer.input_layernorm = nn.Identity()
         if not output_norm:
             self.norm = nn.Identity()
         self.input_norm, self.output_norm = input_norm, output_norm
-        self.rotary = type(base.rotary_emb)(config)
+        self.rotary = rotary_class(config)
         self.register_buffer("vocab", vocab.to(torch.long).clone(), persistent=True)
         self._embed = [base.embed_tokens]  # in a list: the backbone's, not a submodule of the draft
         self._head = [model.get_output_embeddings()]

@@ -22,21 +22,26 @@ runs the project's own.
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from core.backends import cache as kv
 from core.backends import lean as fast
 from core.drafters.eagle import EagleDraft
 from core.drafters.lean_draft import LeanDraft, draft_kernel
 
+if TYPE_CHECKING:  # transformers' model code is imported where a draft is built
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
 
 def midlayer(config: LlamaConfig) -> LlamaDecoderLayer:
     """EAGLE-3's decoder layer: a Llama layer whose q/k/v read 2H inputs, with a `hidden_norm`
     (its parameter names are the checkpoint's `midlayer.*`)."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
+
     layer = LlamaDecoderLayer(config, 0)
     attn, wide = layer.self_attn, 2 * config.hidden_size
     bias = getattr(config, "attention_bias", False)
@@ -55,6 +60,8 @@ class Eagle3Draft(EagleDraft):
     ) -> None:
         """`config`: the checkpoint's (the draft layer's shape and rotary positions); `taps`: the
         backbone's hidden-state indices fc reads, in order."""
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+
         nn.Module.__init__(self)  # EagleDraft's constructor builds the backbone's layer, which this draft has not
         config = copy.deepcopy(config)
         config.num_hidden_layers, config._attn_implementation = 1, "sdpa"

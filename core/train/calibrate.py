@@ -31,6 +31,7 @@ from core.drafters.estimates import BINS, bin_middles, greedy_order, interpolate
 from core.drafters.fixed import LookupDrafter, MedusaDrafter
 from core.drafters.lookup import NgramIndex, node_count
 from core.measure.clock import time_ms
+from core.train import runnable
 
 LOOKUP_SETTINGS = ((1, 4), (2, 4), (3, 4), (1, 6), (2, 6), (3, 6), (4, 8))  # (branches, length) tried
 
@@ -209,7 +210,7 @@ def head_candidates(model, heads, ids: list[int], start: int, top: int) -> tuple
     """(n, K, top) the heads' candidates before each reply token ids[start:] and their
     probabilities, from one forward."""
     with torch.inference_mode():
-        out = model.base_model(input_ids=torch.tensor([ids], device=model.device))
+        out = runnable(model).base_model(input_ids=torch.tensor([ids], device=model.device))
         hidden = out.last_hidden_state[0, start - 1 : len(ids) - 1]  # the state that chose each root
         candidates, probs = heads.top(hidden, heads.num_heads, top)
         return candidates.cpu(), probs.float().cpu()

@@ -30,6 +30,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from core.drafters.eagle import EagleDraft
 from core.files import save_tensors
+from core.train import runnable
 from core.train.heads import transcripts_key
 
 CHUNK = 128  # transcripts per feature file
@@ -113,7 +114,9 @@ def _chunk_features(
             width = max(len(seqs[i]) for i in batch)
             ids = torch.tensor([seqs[i] + [0] * (width - len(seqs[i])) for i in batch], device=model.device)
             mask = torch.tensor([[1] * len(seqs[i]) + [0] * (width - len(seqs[i])) for i in batch])
-            out = model.base_model(input_ids=ids, attention_mask=mask.to(model.device), output_hidden_states=bool(taps))
+            out = runnable(model).base_model(
+                input_ids=ids, attention_mask=mask.to(model.device), output_hidden_states=bool(taps)
+            )
             hidden = torch.cat([*(out.hidden_states[t] for t in taps), out.last_hidden_state], dim=-1)
             for row, i in enumerate(batch):
                 n = len(seqs[i])

@@ -30,6 +30,7 @@ from core.decode.generate import collect, stream
 from core.decode.settings import DecodeSettings
 from core.errors import UserError
 from core.files import save_tensors
+from core.train import runnable
 
 # -- 1) self-distillation ---------------------------------------------------------------------
 
@@ -223,7 +224,7 @@ def features(
             positions = range(len(r["prompt_ids"]) - 1, len(ids) - 2)  # something left for head 0
             if len(positions) == 0:
                 continue
-            out = model.base_model(input_ids=torch.tensor([ids], device=model.device))
+            out = runnable(model).base_model(input_ids=torch.tensor([ids], device=model.device))
             hidden.append(out.last_hidden_state[0, positions.start : positions.stop].float().cpu())
             targets.append(head_targets(ids, positions, num_heads))
             source.append(torch.full((len(positions),), n, dtype=torch.long))

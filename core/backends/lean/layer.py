@@ -150,8 +150,9 @@ def eps(norm: nn.Module) -> float:
 
 
 def unit_offset(module: nn.Module) -> bool:
-    """Whether an RMSNorm module scales by 1 + its weight, in float32 (Gemma's)."""
-    return type(module).__name__.startswith("Gemma")
+    """Whether an RMSNorm module scales by 1 + its weight, in float32 (Gemma's: transformers' classes
+    say so by their name, `models.light`'s by an attribute)."""
+    return getattr(module, "unit_offset", type(module).__name__.startswith("Gemma"))
 
 
 class Norm:
