@@ -15,7 +15,7 @@ from core.backends import lean
 from core.backends.lean.rope import Rope, takes_kinds
 from core.decode.step import prefill
 from core.train import runnable
-from models import direct, light
+from models import direct, light, loader
 from models.embedded import embedded_described
 from tests.helpers import _tiny, require_kernel
 from tests.test_lean_families import tiny
@@ -138,7 +138,8 @@ print(type(backbone.model).__name__, "transformers.modeling_utils" in sys.module
 def test_loading_a_gguf_file_imports_no_model_code():
     """The embedded file given by its path loads, in a fresh process, without transformers' model
     code (nor sympy, which it imports): its description was written once already."""
-    _, gguf = embedded_described()  # written here, where transformers' GGUF reader is imported
+    _, gguf = embedded_described()
+    loader.resolve(str(gguf))  # its description written here (transformers' GGUF reader reads it once)
     done = subprocess.run(
         [sys.executable, "-c", LOAD, str(gguf)], capture_output=True, text=True, timeout=900, check=True
     )
