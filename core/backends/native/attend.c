@@ -113,8 +113,8 @@
     }                                                                                                                \
   }
 
-/* For G queries: acc_m (d floats) += Σ_j p_m[j] · value j and total_m += Σ_j p_m[j], over the
- * keys [from, to) in order; C vectors of a row at a time (the row in blocks of C), VALUE_BLOCK
+/* For G queries: acc_m (d floats) += Σ_j p_m[j] · value j over the keys [from, to) in order (the
+ * weights' sums are WEIGHTED's: SUMS); C vectors of a row at a time (the row in blocks of C), VALUE_BLOCK
  * keys at a time (their values then read again from the cache for the next C vectors). */
 #define VALUE_BLOCK 16
 #define VALUES(NAME, TARGET, VEC, W, P, F, GQ)                                                                       \
@@ -139,15 +139,8 @@
       for (int c = 0; c < C; c++) P##_storeu_ps(acc + m * d + W * (c0 + c), a[m][c]);                               \
   }                                                                                                                  \
   TARGET ALWAYS void NAME##_g(const int G, int64_t d, int64_t from, int64_t to, const float *p, int64_t padded,     \
-                              const F##_T *v, float *acc, float *total) {                                         \
+                              const F##_T *v, float *acc) {                                                          \
     int64_t D = d / W;                                                                                               \
-    float t[GROUP_MAX] = {0.0f};                                                                           \
-    if (total) { /* NULL: the weights' sums made already (WEIGHTED, F##_FOLD) */                                   \
-      for (int m = 0; m < G; m++) t[m] = total[m];                                                                   \
-      for (int64_t j = from; j < to; j++) /* the queries' sums side by side: independent chains */                 \
-        for (int m = 0; m < G; m++) t[m] += p[m * padded + j];                                                       \
-      for (int m = 0; m < G; m++) total[m] = t[m];                                                                   \
-    }                                                                                                                \
     for (int64_t j0 = from; j0 < to; j0 += VALUE_BLOCK) {                                                            \
       int64_t stop = to - j0 < VALUE_BLOCK ? to : j0 + VALUE_BLOCK;                                                  \
       int64_t c0 = 0;                                                                                                \
@@ -156,16 +149,13 @@
     }                                                                                                                \
   }                                                                                                                  \
   TARGET static void NAME(int64_t n, int64_t d, int64_t length, const float *p, int64_t padded, const F##_T *v,      \
-                          float *acc, float *total) { /* in spans of SPAN keys, as the scores */                    \
-    for (int64_t m = 0; m < n; m++) { /* total NULL: the weights' sums made already */                             \
-      if (total) total[m] = 0.0f;                                                                                    \
-      for (int64_t i = 0; i < d; i++) acc[m * d + i] = 0.0f;                                                         \
-    }                                                                                                                \
+                          float *acc) { /* in spans of SPAN keys, as the scores */                                   \
+    for (int64_t i = 0; i < n * d; i++) acc[i] = 0.0f;                                                               \
     for (int64_t from = 0; from < length; from += SPAN) {                                                            \
       int64_t to = length - from < SPAN ? length : from + SPAN;                                                      \
       for (int64_t m = 0; m < n; m += GQ) {                                                                          \
         int64_t g = n - m < GQ ? n - m : GQ;                                                                         \
-        BY_GROUP(GQ, g, NAME##_g, d, from, to, p + m * padded, padded, v, acc + m * d, total ? total + m : 0);       \
+        BY_GROUP(GQ, g, NAME##_g, d, from, to, p + m * padded, padded, v, acc + m * d);                              \
       }                                                                                                              \
     }                                                                                                                \
   }
@@ -188,6 +178,38 @@ VALUES(values256_8, T256, __m256, 8, _mm256, I8, 3)
 EXPS(exps512, T512, __m512, 16, _mm512, exp512)
 EXPS(exps256, T256, __m256, 8, _mm256, exp256)
 
+/* A row of `padded` scores or weights (a multiple of 16): its largest (exact in any order; four
+ * vectors side by side, so no one chain of maxima waits on the last), and its sum in one fixed
+ * pattern (lane by lane over the row's vectors in order, then the lanes in a fixed tree: its bits
+ * depend on the row only). */
+T512 static inline float top512(int64_t padded, const float *s) {
+  __m512 t[4] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY),
+                 _mm512_set1_ps(-INFINITY)};
+  for (int64_t j = 0; j < padded; j += 16) t[j / 16 % 4] = _mm512_max_ps(t[j / 16 % 4], _mm512_loadu_ps(s + j));
+  return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(t[0], t[1]), _mm512_max_ps(t[2], t[3])));
+}
+T256 static inline float top256(int64_t padded, const float *s) {
+  __m256 t[4] = {_mm256_set1_ps(-INFINITY), _mm256_set1_ps(-INFINITY), _mm256_set1_ps(-INFINITY),
+                 _mm256_set1_ps(-INFINITY)};
+  for (int64_t j = 0; j < padded; j += 8) t[j / 8 % 4] = _mm256_max_ps(t[j / 8 % 4], _mm256_loadu_ps(s + j));
+  __m256 u = _mm256_max_ps(_mm256_max_ps(t[0], t[1]), _mm256_max_ps(t[2], t[3]));
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+T512 static inline float sums512(int64_t padded, const float *s) {
+  __m512 t = _mm512_setzero_ps();
+  for (int64_t j = 0; j < padded; j += 16) t = _mm512_add_ps(t, _mm512_loadu_ps(s + j));
+  return _mm512_reduce_add_ps(t);
+}
+T256 static inline float sums256(int64_t padded, const float *s) {
+  __m256 t = _mm256_setzero_ps();
+  for (int64_t j = 0; j < padded; j += 8) t = _mm256_add_ps(t, _mm256_loadu_ps(s + j));
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
 /* Attention of up to QUERIES queries that share a kv head (their q scaled, as floats: qf),
  * against the keys and values [from, to) of one part: each query's top score there (-inf where it
  * sees none of them), the sum of its softmax weights e^(score - top) (0 for a key it does not
@@ -197,7 +219,7 @@ EXPS(exps256, T256, __m256, 8, _mm256, exp256)
 /* A part's softmax and weighted values once its scores (n rows of `padded`, the part's keys [from,
  * to)) are made: each query's top, weights (an exact 0 for a key it does not see) and their sum,
  * then (acc not NULL) its weighted values. Also attend_amx.c's, after its scores. */
-#define WEIGHTED(NAME, VALUES, EXPS, TARGET, F)                                                                      \
+#define WEIGHTED(NAME, VALUES, EXPS, SUMS, TOP, TARGET, F)                                                           \
   TARGET void NAME(int64_t n, int64_t d, const F##_T *v, int64_t from,    int64_t to, int64_t open,                  \
                    const uint16_t *const *mask, float *scores, float *top, float *total, float *acc) {              \
     int64_t length = to - from, padded = PADDED(length), seen = open > from ? open : from;                           \
@@ -207,8 +229,7 @@ EXPS(exps256, T256, __m256, 8, _mm256, exp256)
         for (int64_t j = seen; j < to; j++)                                                                          \
           if ((mask[m][j] & 0x7fff) != 0) sm[j - from] = -INFINITY;                                                  \
       for (int64_t j = length; j < padded; j++) sm[j] = -INFINITY;                                                   \
-      _Pragma("omp simd reduction(max : t)") for (int64_t j = 0; j < padded; j++) t = sm[j] > t ? sm[j] : t;         \
-      top[m] = t;                                                                                                    \
+      top[m] = t = TOP(padded, sm);                                                                                  \
       if (t == -INFINITY) { /* it sees no key of this part */                                                        \
         for (int64_t j = 0; j < padded; j++) sm[j] = 0.0f;                                                           \
         continue;                                                                                                    \
@@ -220,17 +241,10 @@ EXPS(exps256, T256, __m256, 8, _mm256, exp256)
           if ((mask[m][j] & 0x7fff) != 0) sm[j - from] = 0.0f;                                                       \
       for (int64_t j = length; j < padded; j++) sm[j] = 0.0f;                                                        \
     }                                                                                                                \
+    for (int64_t m = 0; m < n; m++) total[m] = SUMS(padded, scores + m * padded); /* the weights' sums */           \
     if (acc && !F##_FOLD) {                                                                                          \
-      VALUES(n, d, length, scores, padded, v + from * F##_ROW(d), acc, total);                                       \
+      VALUES(n, d, length, scores, padded, v + from * F##_ROW(d), acc);                                              \
       return;                                                                                                        \
-    }                                                                                                                \
-    for (int64_t m = 0; m < n; m += 4) { /* the weights' sums alone, as VALUES makes them: 4 chains side by side */ \
-      const float *s0 = scores + m * padded, *s1 = m + 1 < n ? s0 + padded : s0;                                     \
-      const float *s2 = m + 2 < n ? s0 + 2 * padded : s0, *s3 = m + 3 < n ? s0 + 3 * padded : s0;                    \
-      float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;                                                              \
-      for (int64_t j = 0; j < length; j++) t0 += s0[j], t1 += s1[j], t2 += s2[j], t3 += s3[j];                       \
-      float t[4] = {t0, t1, t2, t3};                                                                                 \
-      for (int64_t i = 0; i < 4 && m + i < n; i++) total[m + i] = t[i];                                              \
     }                                                                                                                \
     if (acc) { /* F##_FOLD: each weight times its key's scale (F##_WEIGHT's product), then the values */             \
       float units[PADDED(SPLIT)]; /* a part has at most SPLIT keys */                                                \
@@ -238,13 +252,13 @@ EXPS(exps256, T256, __m256, 8, _mm256, exp256)
       for (int64_t m = 0; m < n; m++) {                                                                              \
         _Pragma("omp simd") for (int64_t j = 0; j < length; j++) scores[m * padded + j] *= units[j];                 \
       }                                                                                                              \
-      VALUES(n, d, length, scores, padded, v + from * F##_ROW(d), acc, 0);                                           \
+      VALUES(n, d, length, scores, padded, v + from * F##_ROW(d), acc);                                              \
     }                                                                                                                \
   }
-WEIGHTED(weighted512, values512, exps512, T512, BF)
-WEIGHTED(weighted256, values256, exps256, T256, BF)
-WEIGHTED(weighted512_8, values512_8, exps512, T512, I8)
-WEIGHTED(weighted256_8, values256_8, exps256, T256, I8)
+WEIGHTED(weighted512, values512, exps512, sums512, top512, T512, BF)
+WEIGHTED(weighted256, values256, exps256, sums256, top256, T256, BF)
+WEIGHTED(weighted512_8, values512_8, exps512, sums512, top512, T512, I8)
+WEIGHTED(weighted256_8, values256_8, exps256, sums256, top256, T256, I8)
 
 /* One part's attention: its scores in vectors, then WEIGHTED. */
 #define ATTEND(NAME, SCORES, WEIGHTED, TARGET, F)                                                                    \

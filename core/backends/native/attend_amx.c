@@ -39,13 +39,14 @@ void q4_part_amx(int amx, int kv8, int64_t n, int64_t d, const uint16_t *const *
 /* 0 where this build has the AMX-BF16 kernel (the CPU's and Linux's say: stepops.py). */
 int q4_amx_attention(void) { return 0; }
 
-/* A thread's tiles for q4_part_amx (before its first part; q4_amx_end after its last): six of 16
- * rows × 64 bytes (the scores: 0 sums, 1 keys, 2 queries; the values: 0-3 sums, 4 weights, 5
- * values). */
+/* A thread's tiles for q4_part_amx (before its first part; q4_amx_end after its last): eight of
+ * 16 rows × 64 bytes (the scores: 0 sums, 1 keys, 2 queries; the values: 0-3 sums, 4 weights,
+ * 5-7 values, in turn: a product need not wait for the one before to free its tile). */
 TAMXB void q4_amx_begin(void) {
   /* static: GCC took the stores to a local one for dead (the instruction's read unseen) */
-  static const tile_config cfg = {
-      .palette = 1, .colsb = {64, 64, 64, 64, 64, 64}, .rows = {16, 16, 16, 16, 16, 16}};
+  static const tile_config cfg = {.palette = 1,
+                                  .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+                                  .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
   _tile_loadconfig(&cfg);
 }
 
@@ -174,12 +175,12 @@ TAMXB static inline void product(const sums *u, int tiles, const void *a, int64_
   }
   _tile_loadd(4, a, lda);
   _tile_loadd(5, pairs, 64);
+  _tile_loadd(6, pairs + 512, 64);
   _tile_dpbf16ps(0, 4, 5);
-  _tile_loadd(5, pairs + 512, 64);
-  _tile_dpbf16ps(1, 4, 5);
+  _tile_dpbf16ps(1, 4, 6);
   if (tiles == 4) {
-    _tile_loadd(5, pairs + 1024, 64);
-    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(7, pairs + 1024, 64);
+    _tile_dpbf16ps(2, 4, 7);
     _tile_loadd(5, pairs + 1536, 64);
     _tile_dpbf16ps(3, 4, 5);
   }

@@ -9,6 +9,44 @@ void q4_pair_values(const int8_t *rows, int64_t d, int64_t count, uint16_t *out,
 }
 #else
 
+/* Block j0's 16 keys: where they lie in the cache, or the last ones copied to `tail` with zeros
+ * after them (no tile reads past the cache's `length`). */
+static inline const int8_t *block_rows(const int8_t *k, int64_t j0, int64_t length, int64_t row, int8_t *tail) {
+  const int8_t *rows = k + j0 * row;
+  if (j0 + KEYS16 <= length) return rows;
+  memset(tail, 0, (size_t)(KEYS16 * row));
+  memcpy(tail, rows, (size_t)((length - j0) * row));
+  return tail;
+}
+
+/* The queries' chunk c (tile B) into the tile that keeps it: 2, then 5-7. */
+#define LOAD_QUERIES(c, at)                                                                                          \
+  do {                                                                                                               \
+    if ((c) == 0) _tile_loadd(2, at, 64);                                                                            \
+    if ((c) == 1) _tile_loadd(5, at, 64);                                                                            \
+    if ((c) == 2) _tile_loadd(6, at, 64);                                                                            \
+    if ((c) == 3) _tile_loadd(7, at, 64);                                                                            \
+  } while (0)
+/* Tile C = the products of 16 keys' rows (through tile K, chunk by chunk) with the kept queries. */
+#define ISSUE(C, K, rows, chunks, row)                                                                               \
+  do {                                                                                                               \
+    _tile_zero(C);                                                                                                   \
+    _tile_loadd(K, rows, row);                                                                                       \
+    _tile_dpbssd(C, K, 2);                                                                                           \
+    if ((chunks) > 1) {                                                                                              \
+      _tile_loadd(K, (rows) + 64, row);                                                                              \
+      _tile_dpbssd(C, K, 5);                                                                                         \
+    }                                                                                                                \
+    if ((chunks) > 2) {                                                                                              \
+      _tile_loadd(K, (rows) + 128, row);                                                                             \
+      _tile_dpbssd(C, K, 6);                                                                                         \
+    }                                                                                                                \
+    if ((chunks) > 3) {                                                                                              \
+      _tile_loadd(K, (rows) + 192, row);                                                                             \
+      _tile_dpbssd(C, K, 7);                                                                                         \
+    }                                                                                                                \
+  } while (0)
+
 /* The 8-bit cache's scores (KV8_ROW rows, d a multiple of 64): each query rounded to int8 on its
  * own scale (its largest magnitude / 127), so one `tdpbssd` makes 16 keys' exact integer dot
  * products with 16 queries (tile A: 16 keys' int8 rows as they lie in the cache, 64 dims; tile B:
@@ -33,13 +71,16 @@ TAMXB void q4_scores_amx8(int dot, int64_t n, int64_t d, const uint16_t *const *
     qs[m] = unit * scale;
   }
   const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+  /* on the tiles with up to 4 chunks: the queries stay in tiles 2, 5-7 and the blocks' sums
+   * alternate between tiles 0 and 3 (their keys 1 and 4), a block's products issued before the one
+   * before is read back: the tile unit works while the vectors scale the block before */
+  int tiled = !dot && chunks <= 4;
+  if (tiled) {
+    for (int64_t c = 0; c < chunks; c++) LOAD_QUERIES(c, qt + c * 1024);
+    if (padded) ISSUE(0, 1, block_rows(k, 0, length, row, tail), chunks, row);
+  }
   for (int64_t j0 = 0; j0 < padded; j0 += KEYS16) {
-    const int8_t *rows = k + j0 * row;
-    if (j0 + KEYS16 > length) {
-      memset(tail, 0, (size_t)(KEYS16 * row));
-      memcpy(tail, rows, (size_t)((length - j0) * row));
-      rows = tail;
-    }
+    const int8_t *rows = block_rows(k, j0, length, row, tail);
     for (int64_t b = 0; j0 + AHEAD + KEYS16 <= length && b < KEYS16 * row; b += 64) { /* the keys and values ahead */
       _mm_prefetch((const char *)(k + (j0 + AHEAD) * row) + b, _MM_HINT_T0);
       if (v) _mm_prefetch((const char *)(v + (j0 + AHEAD) * row) + b, _MM_HINT_T1);
@@ -50,8 +91,21 @@ TAMXB void q4_scores_amx8(int dot, int64_t n, int64_t d, const uint16_t *const *
       q4_dot_scores8_few(n, d, (const uint32_t *)qt, rows, row, ks, qs, s + j0, padded);
       continue;
     }
+    int odd = (int)(j0 / KEYS16 % 2);
+    if (tiled && j0 + KEYS16 < padded) { /* the next block's products, on the other tiles */
+      const int8_t *next = block_rows(k, j0 + KEYS16, length, row, tail); /* the last block's: as it reads again */
+      if (odd)
+        ISSUE(0, 1, next, chunks, row);
+      else
+        ISSUE(3, 4, next, chunks, row);
+    }
     if (dot) {
       q4_dot_scores8(d, (const uint32_t *)qt, rows, row, (int32_t *)tile);
+    } else if (tiled) {
+      if (odd)
+        _tile_stored(3, tile, 64);
+      else
+        _tile_stored(0, tile, 64); /* a row a key, a lane a query: integers */
     } else {
       _tile_zero(0);
       for (int64_t c = 0; c < chunks; c++) {
@@ -59,7 +113,7 @@ TAMXB void q4_scores_amx8(int dot, int64_t n, int64_t d, const uint16_t *const *
         _tile_loadd(2, qt + c * 1024, 64);
         _tile_dpbssd(0, 1, 2);
       }
-      _tile_stored(0, tile, 64); /* a row a key, a lane a query: integers */
+      _tile_stored(0, tile, 64);
     }
     const __m512 keys = _mm512_loadu_ps(ks);
     if (n > 4) {

@@ -163,13 +163,21 @@ int q4_attend(int isa, int amx, int threads, int64_t t, int64_t heads, int64_t k
   return failed ? -1 : 0;
 }
 
-/* The first key some query does not see (length when every query sees every key). */
+/* The first key some query does not see (length when every query sees every key): the least of
+ * each row's first, found along the rows (a row's entries lie side by side), each scan stopping at
+ * the least found so far. */
 int64_t q4_first_hidden(const uint16_t *mask, int64_t t, int64_t length, int64_t ldm) {
   if (!mask) return length;
-  for (int64_t j = 0; j < length; j++)
-    for (int64_t r = 0; r < t; r++)
-      if ((mask[r * ldm + j] & 0x7fff) != 0) return j;
-  return length;
+  int64_t first = length;
+  for (int64_t r = 0; r < t; r++) {
+    const uint16_t *row = mask + r * ldm;
+    for (int64_t j = 0; j < first; j++)
+      if ((row[j] & 0x7fff) != 0) {
+        first = j;
+        break;
+      }
+  }
+  return first;
 }
 
 int q4_attention(int isa, int threads, int64_t t, int64_t heads, int64_t kv_heads, int64_t d, int64_t length,
