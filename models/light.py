@@ -122,8 +122,7 @@ class RMSNorm(nn.Module):
 
 
 class GemmaRMSNorm(RMSNorm):
-    """Gemma's RMSNorm: by 1 + its weight (a class of its own, as transformers' is: a draft layer
-    built from the backbone's classes gets it)."""
+    """Gemma's RMSNorm: by 1 + its weight (a class of its own, as transformers' is)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__(size, eps, unit_offset=True)
