@@ -6,8 +6,9 @@
  * keys as they lie in the cache (32 bf16 of each a tile, read with the cache's row stride), tile
  * B the queries' matching halves side by side (two bf16 of each query a 4-byte column), so the
  * product is the scores transposed (a row a key, a lane a query), gathered back to a row a query
- * and scaled. The softmax is step.c's (WEIGHTED). The weighted values take the weights, rounded
- * to bf16, as tile A (a row a query, 32 keys) and the values as tile B (two keys side by side).
+ * and scaled. The softmax is attend.c's (WEIGHTED), or with the values on AMX the same bits in one
+ * pass that also rounds the weights to bf16 (weights_amx). The weighted values take those as tile A
+ * (a row a query, 32 keys) and the values as tile B (two keys side by side).
  *
  * A score's bits depend on its query's and its key's values only (the tile unit's sum over the
  * head is the same for every pair). A weighted value's sum over 32 keys is made in the tile
@@ -21,6 +22,8 @@
  * instead (attend_dot.c), on a CPU without AMX.
  */
 #include "attend_amx.h"
+
+#include <float.h>
 
 #if !Q4_NEW_ISAS
 int q4_amx_attention(void) { return -1; }
@@ -223,7 +226,73 @@ static int in_place(const uint16_t *mask, int64_t from, int64_t open, int64_t le
   return j == length;
 }
 
-/* acc (n × d) = each query's weighted values (weights p: n rows of `padded`, rounded to bf16 here),
+/* values_amx's scratch: the weights in bf16 (pb: a row a query, p32 keys), the B tiles made for a
+ * product (pairs), a query's own row of weights (row), the C tiles' sums (cs), the keys' value
+ * scales (units: 8-bit values; 1 past `length`), then attend_dot.c's C rows (dots). */
+typedef struct {
+  int64_t p32, shared;
+  uint16_t *pb, *pairs, *row;
+  float *cs, *units, *dots;
+  int own[AMX_QUERIES]; /* whether query m has products of its own from `shared` on (values_amx) */
+} weights;
+
+TAMXB static void weights_at(float *scratch, int64_t length, int64_t seen, weights *w) {
+  w->p32 = (length + 31) / 32 * 32, w->shared = seen / 32 * 32;
+  w->pb = (uint16_t *)scratch, w->pairs = w->pb + 16 * w->p32, w->row = w->pairs + 4 * 512;
+  w->cs = (float *)(w->row + 16 * 32), w->units = w->cs + 17 * 64, w->dots = w->units + w->p32;
+}
+
+/* A weight as weights_amx rounds it for the tiles (vcvtneps2bf16): to the nearest bf16, ties to
+ * even, a denormal to 0. */
+static inline uint16_t tile_weight(float w) { return fabsf(w) < FLT_MIN ? 0 : float_to_bf16(w); }
+
+/* WEIGHTED's softmax (attend.c: the same top, weights and sums, bit for bit) fused with the
+ * weights' rounding to bf16 for the tiles: each query's masked scores hidden, its top, then in
+ * one pass over its row e^(score - top) (an exact 0 where hidden), their sum in WEIGHTED's order,
+ * and the weight times its key's value scale (8-bit values) in bf16 to pb, up to `shared` for a
+ * query with products of its own (values_amx), 0 past that. */
+TAMXB static void weights_amx(int64_t n, int64_t d, const char *v, int kv8, const float *wide_units, int64_t from,
+                              int64_t to, int64_t seen, const uint16_t *const *mask, float *scores, float *top,
+                              float *total, weights *w) {
+  int64_t length = to - from, padded = PADDED(length), bytes = kv8 ? KV8_ROW(d) : 2 * d;
+  for (int64_t j = 0; kv8 && j < w->p32; j++) /* 1 past `length` (its weights are 0) */
+    w->units[j] = j >= length ? 1.0f : wide_units ? wide_units[j] : kv8_scale((const int8_t *)v + j * bytes, d);
+  const __m512 hidden = _mm512_set1_ps(-INFINITY);
+  for (int64_t m = 0; m < n; m++) {
+    float *sm = scores + m * padded;
+    uint16_t *pb = w->pb + m * w->p32;
+    w->own[m] = !in_place(mask[m], from, seen, length);
+    if (mask[m])
+      for (int64_t j = seen; j < length; j++)
+        if ((mask[m][from + j] & 0x7fff) != 0) sm[j] = -INFINITY;
+    for (int64_t j = length; j < padded; j++) sm[j] = -INFINITY;
+    __m512 most[4] = {hidden, hidden, hidden, hidden};
+    for (int64_t j = 0; j < padded; j += 16) /* four maxima side by side (top512's) */
+      most[j / 16 % 4] = _mm512_max_ps(most[j / 16 % 4], _mm512_loadu_ps(sm + j));
+    float t = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(most[0], most[1]), _mm512_max_ps(most[2], most[3])));
+    top[m] = t;
+    memset(pb, 0, sizeof(uint16_t) * (size_t)w->p32);
+    if (t == -INFINITY) { /* it sees no key of this part */
+      memset(sm, 0, sizeof(float) * (size_t)padded);
+      total[m] = 0.0f;
+      continue;
+    }
+    __m512 sum = _mm512_setzero_ps(), tv = _mm512_set1_ps(t);
+    int64_t rounded = w->own[m] ? w->shared : padded; /* own: its products from `shared` on */
+    for (int64_t j = 0; j < padded; j += 16) {
+      __m512 x = _mm512_loadu_ps(sm + j);
+      __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, hidden, _CMP_NEQ_OQ), exp512(_mm512_sub_ps(x, tv)));
+      _mm512_storeu_ps(sm + j, e);
+      sum = _mm512_add_ps(sum, e);
+      if (j < rounded) /* to nearest even, a denormal to 0 (the instruction's; tile_weight's alike) */
+        _mm256_storeu_si256((__m256i *)(pb + j),
+                            (__m256i)_mm512_cvtneps_pbh(kv8 ? _mm512_mul_ps(e, _mm512_loadu_ps(w->units + j)) : e));
+    }
+    total[m] = _mm512_reduce_add_ps(sum);
+  }
+}
+
+/* acc (n × d) = each query's weighted values (weights p: n rows of `padded`; in bf16 in w's pb),
  * 32 keys a product. The tile unit sums a product's 32 terms in an order of its own, so a key's
  * sum must see it in the slot a one-token step at the query's position has it in: keys before
  * `open` (seen by every query) are in place, and so are a query's keys from there on where they
@@ -236,25 +305,14 @@ static int in_place(const uint16_t *mask, int64_t from, int64_t open, int64_t le
  * each product were aligned to the largest and truncated, but Intel does not say so: the slots
  * are kept. */
 TAMXB static void values_amx(int dot, int64_t n, int64_t d, const char *v, int kv8, const uint16_t *wide,
-                             const float *wide_units, int64_t length, int64_t open,
-                             const uint16_t *const *mask, int64_t from, const float *p, int64_t padded, float *acc,
-                             float *scratch) {
-  int64_t p32 = (length + 31) / 32 * 32, shared = open / 32 * 32, bytes = kv8 ? KV8_ROW(d) : 2 * d;
-  uint16_t *pb = (uint16_t *)scratch, *pairs = pb + 16 * p32, *row = pairs + 4 * 512;
-  float *cs = (float *)(row + 16 * 32), *units = cs + 17 * 64; /* units: the keys' value scales (8-bit) */
-  sums all = {dot, (int)n, units + p32}, one = {dot, 1, units + p32}; /* every query's products; one query's */
-  int own[AMX_QUERIES] = {0};
-  memset(pb, 0, sizeof(uint16_t) * (size_t)(n * p32)); /* rows from n on: any values (their sums are not read) */
+                             int64_t length, int64_t open, const uint16_t *const *mask, int64_t from, const float *p,
+                             int64_t padded, float *acc, const weights *w) {
+  int64_t p32 = w->p32, shared = w->shared, bytes = kv8 ? KV8_ROW(d) : 2 * d;
+  uint16_t *pb = w->pb, *pairs = w->pairs, *row = w->row;
+  float *cs = w->cs, *units = w->units;
+  sums all = {dot, (int)n, w->dots}, one = {dot, 1, w->dots}; /* every query's products; one query's */
+  const int *own = w->own; /* rows of pb from n on: any values (their sums are not read) */
   memset(row, 0, sizeof(uint16_t) * 16 * 32);
-  for (int64_t j = 0; kv8 && j < p32; j++) /* 1 past `length` (its weights are 0) */
-    units[j] = j >= length ? 1.0f : wide_units ? wide_units[j] : kv8_scale((const int8_t *)v + j * bytes, d);
-  for (int64_t m = 0; m < n; m++) {
-    own[m] = !in_place(mask[m], from, open, length);
-    for (int64_t j = 0; j < (own[m] ? shared : padded); j += 16) { /* own: its products from `shared` on */
-      __m512 w = _mm512_loadu_ps(p + m * padded + j);
-      store_bf512(pb + m * p32 + j, round_bf512(kv8 ? _mm512_mul_ps(w, _mm512_loadu_ps(units + j)) : w));
-    }
-  }
   int64_t keys[32];
   for (int64_t c = 0; c < d; c += 64) {
     int tiles = d - c >= 64 ? 4 : 2;
@@ -280,8 +338,8 @@ TAMXB static void values_amx(int dot, int64_t n, int64_t d, const char *v, int k
               key = next < length ? next++ : -1;
             }
             keys[j] = key;
-            float w = key < 0 ? 0.0f : kv8 ? p[m * padded + key] * units[key] : p[m * padded + key];
-            row[j] = key >= 0 ? float_to_bf16(w) : 0; /* as the shared products' (round_bf512's rounding) */
+            float weight = key < 0 ? 0.0f : kv8 ? p[m * padded + key] * units[key] : p[m * padded + key];
+            row[j] = key >= 0 ? tile_weight(weight) : 0; /* as the shared products' */
           }
           product(&one, tiles, row, 64, b_tiles(v, kv8, d, keys, c, tiles, pairs));
         }
@@ -310,21 +368,22 @@ TAMXB void q4_part_amx(int amx, int kv8, int64_t n, int64_t d, const uint16_t *c
   int64_t length = to - from, padded = (length + KEYS16 - 1) / KEYS16 * KEYS16, bytes = kv8 ? KV8_ROW(d) : 2 * d;
   uint32_t *qt = (uint32_t *)(scratch + 256);
   const char *kp = (const char *)k + from * bytes, *vp = (const char *)v + from * bytes;
+  int64_t seen = open - from < 0 ? 0 : open - from > length ? length : open - from; /* keys all queries see */
+  weights w;
+  if (amx == 2) weights_at(scratch + 256 + 24 * d + 64, length, seen, &w);
   if (kv8) {
     const int8_t *ahead = wide ? 0 : (const int8_t *)vp; /* values to prefetch with the keys (not yet widened) */
     q4_scores_amx8(dot, n, d, q, scale, (const int8_t *)kp, ahead, length, padded, scratch, (int8_t *)qt,
-                (int8_t *)(qt + 8 * d), (float *)(qt + 24 * d), scores);
-    weighted512_8(n, d, v, from, to, open, mask, scores, top, total, amx == 2 ? 0 : acc);
+                   (int8_t *)(qt + 8 * d), (float *)(qt + 24 * d), scores);
+    if (amx != 2) weighted512_8(n, d, v, from, to, open, mask, scores, top, total, acc);
   } else {
     scores_amx(dot, n, d, q, scale, (const uint16_t *)kp, (const uint16_t *)vp, length, padded, scratch, qt,
                (uint16_t *)(qt + 8 * d), scores);
-    weighted512(n, d, v, from, to, open, mask, scores, top, total, amx == 2 ? 0 : acc);
+    if (amx != 2) weighted512(n, d, v, from, to, open, mask, scores, top, total, acc);
   }
   if (amx == 2) {
-    int64_t seen = open - from < 0 ? 0 : open - from > length ? length : open - from;
-    values_amx(dot, n, d, vp, kv8, wide ? wide + from * d : 0, wide ? wide_units + from : 0, length, seen, mask, from,
-               scores, padded, acc,
-               scratch + 256 + 24 * d + 64);
+    weights_amx(n, d, vp, kv8, wide ? wide_units + from : 0, from, to, seen, mask, scores, top, total, &w);
+    values_amx(dot, n, d, vp, kv8, wide ? wide + from * d : 0, length, seen, mask, from, scores, padded, acc, &w);
   }
 }
 #endif

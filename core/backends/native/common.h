@@ -92,7 +92,7 @@ T512 static inline void store_rows512(int tiles, int64_t rows, const float *acc,
 #define EXP_P3 4.1665795894e-2f
 #define EXP_P4 1.6666665459e-1f
 #define EXP_P5 5.0000001201e-1f
-#define EXP_VEC(NAME, TARGET, VEC, VECI, P, ROUND, CAST)                                                              \
+#define EXP_VEC(NAME, TARGET, VEC, P, ROUND, POW2)                                                                    \
   TARGET static inline VEC NAME(VEC x) {                                                                             \
     VEC y = P##_max_ps(x, P##_set1_ps(EXP_FLOOR));                                                                   \
     VEC n = ROUND(P##_mul_ps(y, P##_set1_ps(EXP_LOG2E)));                                                            \
@@ -105,13 +105,18 @@ T512 static inline void store_rows512(int tiles, int64_t rows, const float *acc,
     e = P##_fmadd_ps(e, r, P##_set1_ps(EXP_P4));                                                                     \
     e = P##_fmadd_ps(e, r, P##_set1_ps(EXP_P5));                                                                     \
     e = P##_fmadd_ps(P##_mul_ps(e, r), r, P##_add_ps(r, P##_set1_ps(1.0f)));                                         \
-    VECI bits = P##_slli_epi32(P##_add_epi32(P##_cvtps_epi32(n), P##_set1_epi32(127)), 23);                          \
-    return P##_mul_ps(e, CAST(bits));                                                                                \
+    return POW2(e, n);                                                                                               \
   }
 #define ROUND256(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define ROUND512(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-EXP_VEC(exp512, T512, __m512, __m512i, _mm512, ROUND512, _mm512_castsi512_ps)
-EXP_VEC(exp256, T256, __m256, __m256i, _mm256, ROUND256, _mm256_castsi256_ps)
+/* e · 2^n (n an integer ≥ -126): AVX-512's scalef, in one instruction the product with 2^n that
+ * AVX2 builds from n's exponent bits (the same bits: both round the exact product once) */
+#define POW2_512(e, n) _mm512_scalef_ps(e, n)
+#define POW2_256(e, n)                                                                                               \
+  _mm256_mul_ps(e,                                                                                                   \
+                _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23)))
+EXP_VEC(exp512, T512, __m512, _mm512, ROUND512, POW2_512)
+EXP_VEC(exp256, T256, __m256, _mm256, ROUND256, POW2_256)
 
 /* One packed weight (core/q4.py's Layer). */
 typedef struct {
