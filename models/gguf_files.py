@@ -332,12 +332,15 @@ def _no_progress_bar():
 
 
 # what a description's tokenizer_config.json may set besides its special tokens
-TOKENIZER_SETTINGS = {"model_max_length", "add_bos_token", "add_eos_token", "clean_up_tokenization_spaces"}
+TOKENIZER_SETTINGS = {
+    "model_max_length", "add_bos_token", "add_eos_token", "clean_up_tokenization_spaces", "chat_template"
+}  # fmt: skip
 
 
 def described_tokenizer(folder: Path):
     """The tokenizer of a GGUF file's description in `folder`: made from its tokenizer.json by the
-    fast tokenizer's constructor with the config's special tokens and settings. Not rebuilt by its
+    fast tokenizer's constructor with the config's special tokens and settings and the chat
+    template saved beside them. Not rebuilt by its
     family's class from vocabulary and merges in Python (~160 MB more held for Gemma's 262k
     vocabulary), nor loaded through `from_pretrained`, whose deep copies of its arguments peak
     ~220 MB higher. The same ids and text either way (tested)."""
@@ -345,4 +348,7 @@ def described_tokenizer(folder: Path):
 
     config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
     settings = {k: v for k, v in config.items() if k.endswith("_token") or k in TOKENIZER_SETTINGS}
+    template = folder / "chat_template.jinja"  # where transformers saves a tokenizer's chat template
+    if template.is_file():
+        settings["chat_template"] = template.read_text(encoding="utf-8")
     return PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), name_or_path=str(folder), **settings)

@@ -199,7 +199,7 @@ def test_generate_with_the_gemma3_file_copies_with_the_lookup_drafter_as_the_pla
 def test_a_gguf_files_tokenizer_loads_as_serialized_and_tokenizes_as_its_family_class(gemma):
     """The tokenizer.json of a file's description, loaded as it is (not rebuilt by GemmaTokenizer
     from vocabulary and merges): the same ids for this repository's docs, special tokens and odd
-    text, the same text back, the same special ids."""
+    text, the same text back, the same special ids, chat template and chat turns."""
     from pathlib import Path
 
     from transformers import AutoTokenizer
@@ -221,8 +221,12 @@ def test_a_gguf_files_tokenizer_loads_as_serialized_and_tokenizes_as_its_family_
             assert ours(text)["input_ids"] == ids
             assert ours.decode(ids) == theirs.decode(ids)
             assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True)
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "chat_template"):
             assert getattr(ours, name) == getattr(theirs, name), name
+        if theirs.chat_template:  # a chat model's turns, through the template it came with
+            chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": texts[-2]}]
+            ids = theirs.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+            assert ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=True) == ids
 
 
 # ---- files the app cannot run: one sentence, exit 2 ----
