@@ -70,8 +70,9 @@ def auto_drafter(
     draft: DraftModel | None = None,
 ) -> Drafter:
     """The policy-driven drafter for `kind`: the heads (if it drafts with them) with their prior
-    from `preset`'s calibration (untrained heads start near 0), the context and the past replies in
-    `corpus` (if it copies from them), each step's tree chosen from the costs `curve()`. A kind that
+    from `preset`'s calibration (untrained ones start near 0, and draft only in a kind that copies
+    nothing), the context and the past replies in `corpus` (if it copies from them), each step's
+    tree chosen from the costs `curve()`. A kind that
     requires the EAGLE layer `eagle` drafts with it and both lookups, its node count chosen from the
     costs; one for which it is OPTIONAL runs whichever of the two decodes faster on this machine,
     measured as it runs, where the model has a layer. The same for the draft model `draft`."""
@@ -93,7 +94,10 @@ def auto_drafter(
         if optional["eagle"] is not None:
             contenders["eagle"] = eagle_drafter(eagle, curve, corpus)
         return Fastest(contenders | {"plain": NoDrafter()}, reference="plain")  # a tree runs once measurably faster
-    use_heads = row.heads and heads is not None
+    # untrained heads (Medusa's identity init: each head the lm_head on the same hidden state) guess
+    # the root's token again at every depth; where the lookups draft (they copy repeats), the heads
+    # would only add their lm_head's cost to the steps that try them
+    use_heads = row.heads and heads is not None and (trained or not row.copies)
     prior = None
     if use_heads:
         prior = prior_accuracy(heads.num_heads, preset.top1, preset.top10) if trained else None
