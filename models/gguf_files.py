@@ -340,10 +340,10 @@ TOKENIZER_SETTINGS = {
 def described_tokenizer(folder: Path):
     """The tokenizer of a GGUF file's description in `folder`: made from its tokenizer.json by the
     fast tokenizer's constructor with the config's special tokens and settings and the chat
-    template saved beside them. Not rebuilt by its
-    family's class from vocabulary and merges in Python (~160 MB more held for Gemma's 262k
-    vocabulary), nor loaded through `from_pretrained`, whose deep copies of its arguments peak
-    ~220 MB higher. The same ids and text either way (tested)."""
+    template saved beside them. Not rebuilt by its family's class from vocabulary and merges in
+    Python (~160 MB more held for Gemma's 262k vocabulary), nor loaded through `from_pretrained`,
+    whose deep copies of its arguments peak ~220 MB higher. The same ids, text and chat turns
+    either way (tested)."""
     from transformers import PreTrainedTokenizerFast
 
     config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))

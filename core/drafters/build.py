@@ -72,10 +72,10 @@ def auto_drafter(
     """The policy-driven drafter for `kind`: the heads (if it drafts with them) with their prior
     from `preset`'s calibration (untrained ones start near 0, and draft only in a kind that copies
     nothing), the context and the past replies in `corpus` (if it copies from them), each step's
-    tree chosen from the costs `curve()`. A kind that
-    requires the EAGLE layer `eagle` drafts with it and both lookups, its node count chosen from the
-    costs; one for which it is OPTIONAL runs whichever of the two decodes faster on this machine,
-    measured as it runs, where the model has a layer. The same for the draft model `draft`."""
+    tree chosen from the costs `curve()`. A kind that requires the EAGLE layer `eagle` drafts with
+    it and both lookups, its node count chosen from the costs; one for which it is OPTIONAL runs
+    whichever of the two decodes faster on this machine, measured as it runs, where the model has a
+    layer. The same for the draft model `draft`."""
     row = registry.kind(kind)
     if row.eagle == registry.REQUIRED:
         return eagle_drafter(eagle, curve, corpus if row.retrieval else None)
