@@ -178,38 +178,6 @@ VALUES(values256_8, T256, __m256, 8, _mm256, I8, 3)
 EXPS(exps512, T512, __m512, 16, _mm512, exp512)
 EXPS(exps256, T256, __m256, 8, _mm256, exp256)
 
-/* A row of `padded` scores or weights (a multiple of 16): its largest (exact in any order; four
- * vectors side by side, so no one chain of maxima waits on the last), and its sum in one fixed
- * pattern (lane by lane over the row's vectors in order, then the lanes in a fixed tree: its bits
- * depend on the row only). */
-T512 static inline float top512(int64_t padded, const float *s) {
-  __m512 t[4] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY),
-                 _mm512_set1_ps(-INFINITY)};
-  for (int64_t j = 0; j < padded; j += 16) t[j / 16 % 4] = _mm512_max_ps(t[j / 16 % 4], _mm512_loadu_ps(s + j));
-  return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(t[0], t[1]), _mm512_max_ps(t[2], t[3])));
-}
-T256 static inline float top256(int64_t padded, const float *s) {
-  __m256 t[4] = {_mm256_set1_ps(-INFINITY), _mm256_set1_ps(-INFINITY), _mm256_set1_ps(-INFINITY),
-                 _mm256_set1_ps(-INFINITY)};
-  for (int64_t j = 0; j < padded; j += 8) t[j / 8 % 4] = _mm256_max_ps(t[j / 8 % 4], _mm256_loadu_ps(s + j));
-  __m256 u = _mm256_max_ps(_mm256_max_ps(t[0], t[1]), _mm256_max_ps(t[2], t[3]));
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
-}
-T512 static inline float sums512(int64_t padded, const float *s) {
-  __m512 t = _mm512_setzero_ps();
-  for (int64_t j = 0; j < padded; j += 16) t = _mm512_add_ps(t, _mm512_loadu_ps(s + j));
-  return _mm512_reduce_add_ps(t);
-}
-T256 static inline float sums256(int64_t padded, const float *s) {
-  __m256 t = _mm256_setzero_ps();
-  for (int64_t j = 0; j < padded; j += 8) t = _mm256_add_ps(t, _mm256_loadu_ps(s + j));
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
-
 /* Attention of up to QUERIES queries that share a kv head (their q scaled, as floats: qf),
  * against the keys and values [from, to) of one part: each query's top score there (-inf where it
  * sees none of them), the sum of its softmax weights e^(score - top) (0 for a key it does not

@@ -266,11 +266,7 @@ TAMXB static void weights_amx(int64_t n, int64_t d, const char *v, int kv8, cons
       for (int64_t j = seen; j < length; j++)
         if ((mask[m][from + j] & 0x7fff) != 0) sm[j] = -INFINITY;
     for (int64_t j = length; j < padded; j++) sm[j] = -INFINITY;
-    __m512 most[4] = {hidden, hidden, hidden, hidden};
-    for (int64_t j = 0; j < padded; j += 16) /* four maxima side by side (top512's) */
-      most[j / 16 % 4] = _mm512_max_ps(most[j / 16 % 4], _mm512_loadu_ps(sm + j));
-    float t = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(most[0], most[1]), _mm512_max_ps(most[2], most[3])));
-    top[m] = t;
+    float t = top[m] = top512(padded, sm);
     memset(pb, 0, sizeof(uint16_t) * (size_t)w->p32);
     if (t == -INFINITY) { /* it sees no key of this part */
       memset(sm, 0, sizeof(float) * (size_t)padded);
