@@ -8,6 +8,7 @@
  * with their own rotary table). Every row is computed on its own, as in step.c.
  */
 #include "common.h"
+#include <omp.h>
 
 static inline float bf(uint16_t b) { return bf16_to_float(b); }
 
@@ -97,12 +98,28 @@ static const uint16_t *window_mask(int64_t t, int64_t past, int64_t length, cons
   return hidden ? room : NULL;
 }
 
-/* Rows [0, t) of x (row stride n): an RMSNorm over each `heads` groups of d in place. */
-static void head_norms(const q4_model *model, int isa, int64_t t, int64_t ldx, uint16_t *x, int64_t heads,
-                       const void *w) {
-  for (int64_t r = 0; r < t; r++)
-    q4_rmsnorm(isa, heads, model->head_dim, x + r * ldx, model->head_dim, w, (int)model->gemma, model->eps,
-               x + r * ldx);
+/* A block's row-wise work (norms, rotations, cache writes, gates, adds: each row on its own, so
+ * the same bits on any thread) is spread over the threads from this many rows (a prompt's block:
+ * on one thread it left the other idle ~16 % of a 4,000-token read); fewer rows stay on one. */
+#define SPREAD_ROWS 16
+
+/* Row r of x (row stride ldx): an RMSNorm over each of its `heads` groups of d in place. */
+static void head_norm(const q4_model *model, int isa, int64_t r, int64_t ldx, uint16_t *x, int64_t heads,
+                      const void *w) {
+  q4_rmsnorm(isa, heads, model->head_dim, x + r * ldx, model->head_dim, w, (int)model->gemma, model->eps,
+             x + r * ldx);
+}
+
+/* Row by row, the rows spread over the threads (SPREAD_ROWS): y = post(y) where `post` (a norm's
+ * weight, as q4_rmsnorm's), then x += y where y, then h = norm(x) where `norm`. */
+static void residual(int isa, int threads, int64_t t, int64_t n, uint16_t *x, uint16_t *y, const void *post,
+                     const void *norm, int wide, float eps, uint16_t *h) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (t >= SPREAD_ROWS)
+  for (int64_t r = 0; r < t; r++) {
+    if (post) q4_rmsnorm(isa, 1, n, y + r * n, n, post, wide, eps, y + r * n);
+    if (y) (isa == 2 ? e512_add : e256_add)(n, x + r * n, y + r * n);
+    if (norm) q4_rmsnorm(isa, 1, n, x + r * n, n, norm, wide, eps, h + r * n);
+  }
 }
 
 /* Layer `layer`'s attention: norms and rotation of q and k, the cache writes, attention → a. */
@@ -113,9 +130,10 @@ static int attend(const q4_model *model, const q4_block *b, int isa, int kv8, in
   int64_t d = model->head_dim, heads = model->heads, kv = model->kv_heads, q = heads * d, width = q + 2 * kv * d;
   int64_t length = past + t;
   size_t row_bytes = kv8 ? (size_t)KV8_ROW(d) : sizeof(uint16_t) * (size_t)d;
-  if (b->q_norm) head_norms(model, isa, t, width, qkv, heads, b->q_norm);
-  if (b->k_norm) head_norms(model, isa, t, width, qkv + q, kv, b->k_norm);
+#pragma omp parallel for num_threads(threads) schedule(static) if (t >= SPREAD_ROWS)
   for (int64_t r = 0; r < t; r++) {
+    if (b->q_norm) head_norm(model, isa, r, width, qkv, heads, b->q_norm);
+    if (b->k_norm) head_norm(model, isa, r, width, qkv + q, kv, b->k_norm);
     uint16_t *row = qkv + r * width;
     (isa == 2 ? e512_rope : e256_rope)(heads + kv, d, row, cos + r * d, sin + r * d);
     for (int64_t g = 0; g < kv; g++) {
@@ -169,7 +187,8 @@ int q4_decode(const q4_model *model, int isa, int threads, int64_t t, uint16_t *
   if (d > 512 || d % 16) return -2;
   size_t scratch = (size_t)(t * (hidden + width + q + hidden + 2 * inner + inner) + t * length);
   uint16_t *h = malloc(sizeof(uint16_t) * scratch);
-  float *z = malloc(sizeof(float) * (size_t)((inner + 15) / 16 * 16));
+  int64_t zn = (inner + 15) / 16 * 16; /* a thread's gate scratch */
+  float *z = malloc(sizeof(float) * (size_t)(zn * (threads > 1 ? threads : 1)));
   if (!h || !z) {
     free(h);
     free(z);
@@ -185,22 +204,21 @@ int q4_decode(const q4_model *model, int isa, int threads, int64_t t, uint16_t *
     char *kl = (char *)keys + (size_t)(layer * kv * capacity) * row_bytes;
     char *vl = (char *)values + (size_t)(layer * kv * capacity) * row_bytes;
     const uint16_t *c = cos + b->rope * t * d, *s = sin + b->rope * t * d;
-    q4_rmsnorm(isa, t, hidden, x, hidden, b->norm1, wide, model->eps, h);
+    residual(isa, threads, t, hidden, x, 0, 0, b->norm1, wide, model->eps, h);
     code |= q4_run(b->qkv, isa, threads, t, h, hidden, qkv);
     code |= attend(model, b, isa, kv8, amx_mode(flags, d, b->window), threads, t, qkv, c, s, positions, past, mask,
                    open, kl, vl, capacity, room, a);
     code |= q4_run(b->o, isa, threads, t, a, q, o);
-    if (b->post_attn) q4_rmsnorm(isa, t, hidden, o, hidden, b->post_attn, wide, model->eps, o);
-    (isa == 2 ? e512_add : e256_add)(t * hidden, x, o);
-    q4_rmsnorm(isa, t, hidden, x, hidden, b->norm2, wide, model->eps, h);
+    residual(isa, threads, t, hidden, x, o, b->post_attn, b->norm2, wide, model->eps, h);
     code |= q4_run(b->gate_up, isa, threads, t, h, hidden, gu);
+#pragma omp parallel for num_threads(threads) schedule(static) if (t >= SPREAD_ROWS)
     for (int64_t r = 0; r < t; r++) {
       const uint16_t *g = gu + r * 2 * inner, *u = g + inner;
-      (isa == 2 ? e512_glu : e256_glu)(inner, (int)model->act, g, u, m + r * inner, z);
+      float *zt = z + (int64_t)omp_get_thread_num() * zn; /* this thread's scratch */
+      (isa == 2 ? e512_glu : e256_glu)(inner, (int)model->act, g, u, m + r * inner, zt);
     }
     code |= q4_run(b->down, isa, threads, t, m, inner, o);
-    if (b->post_mlp) q4_rmsnorm(isa, t, hidden, o, hidden, b->post_mlp, wide, model->eps, o);
-    (isa == 2 ? e512_add : e256_add)(t * hidden, x, o);
+    residual(isa, threads, t, hidden, x, o, b->post_mlp, 0, wide, model->eps, h);
     tap(layer + 1, t, hidden, x, taps, count, streams);
   }
   free(h);
