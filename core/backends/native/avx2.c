@@ -48,6 +48,11 @@ T256 void q4_quantize256(const uint16_t *x, int64_t k, int8_t *p, float *e, floa
   }
 }
 
+/* Groups ahead whose weights a pass prefetches, past its tile's end too (the next tile's, which
+ * the same thread reads next): on an Intel Xeon under these kernels, 1.7B-shape matrices 14.5 →
+ * 17 GB/s from memory for one row (q4gemm.c's PF_ROWS). */
+#define PF_TILE 12
+
 /* Rows [0, R) of one tile, both halves (8 outputs each) from one broadcast of the activations.
  * A group's products are summed in int16: each of its 8 `vpmaddubsw` pairs is at most
  * 2·15·127 = 3810 in size, so their sum stays below 32767; then one `vpmaddwd` to int32. */
@@ -61,6 +66,11 @@ T256 void q4_quantize256(const uint16_t *x, int64_t k, int8_t *p, float *e, floa
     memset(acc, 0, sizeof acc);                                                                                      \
     for (int64_t g = 0; g < groups; g++) {                                                                           \
       const uint8_t *wg = w + g * TILE_BYTES;                                                                        \
+      for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(wg + PF_TILE * TILE_BYTES + 64 * l), _MM_HINT_T0);     \
+      if ((g + PF_TILE) % 2 == 0) {                                                                                  \
+        _mm_prefetch((const char *)(d + (g + PF_TILE) * TILE), _MM_HINT_T0);                                         \
+        _mm_prefetch((const char *)(m + (g + PF_TILE) * TILE), _MM_HINT_T0);                                         \
+      }                                                                                                              \
       __m256i sum[R][2];                                                                                             \
       for (int r = 0; r < R; r++) sum[r][0] = sum[r][1] = _mm256_setzero_si256();                                  \
       for (int h = 0; h < 4; h++) {                                                                                  \
