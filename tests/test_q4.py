@@ -219,6 +219,24 @@ def test_8_bit_cache_rows_are_written_in_c_as_in_torch():
     assert (fast.kv.from_kv8(want) - x.float()).abs().max() <= x.float().abs().max() / 254 * 1.001
 
 
+def test_argmax_gives_torchs_indices():
+    """q4.argmax (greedy acceptance's, for bf16 logits on the CPU) gives torch's argmax: the first of
+    equal values, a NaN as the largest, a row of -inf's first index, one row or many (at the
+    vocabularies' sizes and a few values), and declines strided rows and other dtypes."""
+    loaded()
+    gen = torch.Generator().manual_seed(3)
+    for rows, vocab in ((1, 49152), (16, 262144), (5, 7)):
+        x = torch.randn(rows, vocab, generator=gen).to(torch.bfloat16)
+        x[0, vocab // 2] = x[0, vocab // 3] = x[0].max() + 1  # a tie: the first wins
+        if rows > 2:
+            x[1, 3], x[1, 5] = float("nan"), float("nan")
+            x[2] = float("-inf")
+        assert torch.equal(q4.argmax(x), x.float().argmax(-1))
+        assert torch.equal(q4.argmax(x[0]), x[0].float().argmax(-1))
+    assert q4.argmax(torch.randn(3, 10).to(torch.bfloat16)[:, ::2]) is None
+    assert q4.argmax(torch.randn(3, 10)) is None
+
+
 @pytest.mark.parametrize("variant", ["avx512-vnni", "avx2"])
 def test_rms_norm_matches_llama(variant):
     ops = ops_or_skip(variant)

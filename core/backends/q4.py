@@ -39,7 +39,7 @@ NATIVE = Path(__file__).parent / "native"
 _FILES = ("q4gemm", "avx2", "amx", "attend", "attend_amx", "attend_amx8", "attend_dot", "step", "decode")
 SOURCES = tuple(NATIVE / f"{name}.c" for name in _FILES)  # compiled together, with the headers
 HEADERS = (NATIVE / "common.h", NATIVE / "attend_amx.h")
-VERSION = 22  # q4_version() of the source above
+VERSION = 23  # q4_version() of the source above
 TILE = 16  # outputs per tile (inputs per scale: `quantize.GROUP`)
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
 ISAS = {"avx512-vnni": 2, "avx2": 1}  # the kernel variants, as q4_gemm numbers them
@@ -234,6 +234,24 @@ def library() -> ctypes.CDLL | None:
                         file=sys.stderr,
                     )
         return _state["lib"]
+
+
+def argmax(x: Tensor) -> Tensor | None:
+    """torch's `x.argmax(-1)` for bf16 logits on the CPU, a (V,) row or (T, V) rows with contiguous
+    rows, from the library where this process has it loaded (the same indices: the first of equal
+    values, a NaN as the largest); None where it does not take them. torch widens them to float32
+    first: 0.4 ms a row of a 262k vocabulary, 3.5 ms for a 16-node tree's rows."""
+    lib = _state.get("lib")
+    if lib is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() not in (1, 2):
+        return None
+    if x.shape[-1] == 0 or x.stride(-1) != 1:
+        return None
+    rows = x.unsqueeze(0) if x.dim() == 1 else x
+    out = torch.empty(rows.shape[0], dtype=torch.int64)
+    lib.q4_argmax(
+        torch.get_num_threads(), rows.shape[0], rows.shape[1], rows.data_ptr(), rows.stride(0), out.data_ptr()
+    )
+    return out[0] if x.dim() == 1 else out
 
 
 def prepare() -> threading.Thread:

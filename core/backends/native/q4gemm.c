@@ -33,7 +33,7 @@
 #define PF_ROWS 12 /* a one-to-four-row pass (reg512) */
 #define PF8 6      /* an 8-bit pass (pair512_8) */
 
-int q4_version(void) { return 22; }
+int q4_version(void) { return 23; }
 
 /* bf16 weights (N×K, N % 16 == 0, K % 32 == 0) → the kernel's layout in one pass, as core/q4.py's
  * quantize (4 bits: step = (max − min)/15 and q = round((w − min)/step) per group, d and m float16

@@ -224,3 +224,24 @@ void q4_rmsnorm(int isa, int64_t rows, int64_t n, const uint16_t *x, int64_t ldx
   }
 }
 
+
+/* Each row's index of its largest value (rows of n bf16, ld apart), as torch's argmax gives it:
+ * the first of equal ones, and a NaN counts as the largest (the first NaN's index then). On the
+ * CPU torch widens bf16 logits to float32 first, ~0.4 ms a row of a 262k vocabulary (3.5 ms for a
+ * 16-node tree's); here one pass for the top, one to its first place, the rows over the threads. */
+void q4_argmax(int threads, int64_t rows, int64_t n, const uint16_t *x, int64_t ld, int64_t *out) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1 && rows * n >= 65536)
+  for (int64_t r = 0; r < rows; r++) {
+    const uint16_t *xr = x + r * ld;
+    float top = -INFINITY;
+    int nan = 0;
+    _Pragma("omp simd reduction(max : top) reduction(| : nan)") for (int64_t i = 0; i < n; i++) {
+      float v = bf(xr[i]);
+      nan |= v != v;
+      top = v > top ? v : top;
+    }
+    int64_t at = 0;
+    while (at < n - 1 && (nan ? bf(xr[at]) == bf(xr[at]) : bf(xr[at]) != top)) at++;
+    out[r] = at;
+  }
+}
