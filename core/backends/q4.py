@@ -248,9 +248,8 @@ def argmax(x: Tensor) -> Tensor | None:
         return None
     rows = x.unsqueeze(0) if x.dim() == 1 else x
     out = torch.empty(rows.shape[0], dtype=torch.int64)
-    lib.q4_argmax(
-        torch.get_num_threads(), rows.shape[0], rows.shape[1], rows.data_ptr(), rows.stride(0), out.data_ptr()
-    )
+    shape, address = (rows.shape[0], rows.shape[1]), rows.data_ptr()
+    lib.q4_argmax(ISAS[isa()], torch.get_num_threads(), *shape, address, rows.stride(0), out.data_ptr())
     return out[0] if x.dim() == 1 else out
 
 

@@ -245,4 +245,4 @@ int q4_attend(int isa, int amx, int threads, int64_t t, int64_t heads, int64_t k
 int64_t q4_first_hidden(const uint16_t *mask, int64_t t, int64_t length, int64_t ldm);
 void q4_rmsnorm(int isa, int64_t rows, int64_t n, const uint16_t *x, int64_t ldx, const void *w, int wide, float eps,
                 uint16_t *y);
-void q4_argmax(int threads, int64_t rows, int64_t n, const uint16_t *x, int64_t ld, int64_t *out);
+void q4_argmax(int isa, int threads, int64_t rows, int64_t n, const uint16_t *x, int64_t ld, int64_t *out);

@@ -225,23 +225,56 @@ void q4_rmsnorm(int isa, int64_t rows, int64_t n, const uint16_t *x, int64_t ldx
 }
 
 
+/* A row of n bf16 values' argmax as torch's (below), NaNs aside: with AVX-512 in one pass, each lane
+ * keeping its largest and where it first saw it; with AVX2 a pass for the largest, then a search. */
+T512 static int64_t row_argmax512(const uint16_t *x, int64_t n, int *nan) {
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  __m512i at = _mm512_setzero_si512(), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __mmask16 bad = 0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16, idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16))) {
+    __m512 v = LOAD_BF512(x + i);
+    bad |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    __mmask16 up = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ); /* strictly: a lane keeps its first */
+    best = _mm512_mask_mov_ps(best, up, v);
+    at = _mm512_mask_mov_epi32(at, up, idx);
+  }
+  float top = _mm512_reduce_max_ps(best);
+  int64_t first = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ), at);
+  for (; i < n; i++) {
+    float v = bf(x[i]);
+    bad |= v != v;
+    if (v > top) top = v, first = i;
+  }
+  *nan = bad != 0;
+  return first;
+}
+T256 static int64_t row_argmax256(const uint16_t *x, int64_t n, int *nan) {
+  float top = -INFINITY;
+  int bad = 0;
+  _Pragma("omp simd reduction(max : top) reduction(| : bad)") for (int64_t i = 0; i < n; i++) {
+    float v = bf(x[i]);
+    bad |= v != v;
+    top = v > top ? v : top;
+  }
+  int64_t at = 0;
+  while (at < n - 1 && bf(x[at]) != top) at++;
+  *nan = bad;
+  return at;
+}
+
 /* Each row's index of its largest value (rows of n bf16, ld apart), as torch's argmax gives it:
  * the first of equal ones, and a NaN counts as the largest (the first NaN's index then). On the
  * CPU torch widens bf16 logits to float32 first, ~0.4 ms a row of a 262k vocabulary (3.5 ms for a
- * 16-node tree's); here one pass for the top, one to its first place, the rows over the threads. */
-void q4_argmax(int threads, int64_t rows, int64_t n, const uint16_t *x, int64_t ld, int64_t *out) {
+ * 16-node tree's); here in vectors, the rows over the threads. isa: the variant's number. */
+void q4_argmax(int isa, int threads, int64_t rows, int64_t n, const uint16_t *x, int64_t ld, int64_t *out) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1 && rows * n >= 65536)
   for (int64_t r = 0; r < rows; r++) {
     const uint16_t *xr = x + r * ld;
-    float top = -INFINITY;
-    int nan = 0;
-    _Pragma("omp simd reduction(max : top) reduction(| : nan)") for (int64_t i = 0; i < n; i++) {
-      float v = bf(xr[i]);
-      nan |= v != v;
-      top = v > top ? v : top;
-    }
-    int64_t at = 0;
-    while (at < n - 1 && (nan ? bf(xr[at]) == bf(xr[at]) : bf(xr[at]) != top)) at++;
+    int nan;
+    int64_t at = ((isa & ISA_VARIANT) == 2 ? row_argmax512 : row_argmax256)(xr, n, &nan);
+    if (nan)
+      for (at = 0; at < n - 1 && bf(xr[at]) == bf(xr[at]);) at++; /* the first NaN */
     out[r] = at;
   }
 }
