@@ -219,11 +219,15 @@ def test_8_bit_cache_rows_are_written_in_c_as_in_torch():
     assert (fast.kv.from_kv8(want) - x.float()).abs().max() <= x.float().abs().max() / 254 * 1.001
 
 
-def test_argmax_gives_torchs_indices():
-    """q4.argmax (greedy acceptance's, for bf16 logits on the CPU) gives torch's argmax: the first of
-    equal values, a NaN as the largest, a row of -inf's first index, one row or many (at the
-    vocabularies' sizes and a few values), and declines strided rows and other dtypes."""
+@pytest.mark.parametrize("variant", ["avx512-vnni", "avx2"])
+def test_argmax_gives_torchs_indices(variant, monkeypatch):
+    """q4.argmax (greedy acceptance's, for bf16 logits on the CPU) gives torch's argmax in each
+    variant: the first of equal values, a NaN as the largest, a row of -inf's first index, one row
+    or many (at the vocabularies' sizes and a few values), and declines strided rows and other dtypes."""
     loaded()
+    if variant not in variants():
+        pytest.skip(f"this CPU does not run the {variant} kernels")
+    monkeypatch.setattr(q4, "isa", lambda: variant)
     gen = torch.Generator().manual_seed(3)
     for rows, vocab in ((1, 49152), (16, 262144), (5, 7)):
         x = torch.randn(rows, vocab, generator=gen).to(torch.bfloat16)

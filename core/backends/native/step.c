@@ -224,7 +224,6 @@ void q4_rmsnorm(int isa, int64_t rows, int64_t n, const uint16_t *x, int64_t ldx
   }
 }
 
-
 /* A row of n bf16 values' argmax as torch's (below), NaNs aside: with AVX-512 in one pass, each lane
  * keeping its largest and where it first saw it; with AVX2 a pass for the largest, then a search. */
 T512 static int64_t row_argmax512(const uint16_t *x, int64_t n, int *nan) {
