@@ -405,6 +405,24 @@ def test_each_weight_keeps_the_amx_row_count_it_was_packed_with():
     assert q4.Packed(q4.library(), torch.randn(32, 64, generator=gen), None).amx == 0
 
 
+def test_8bit_vnni_passes_give_the_avx2_passes_bits():
+    """8-bit weights: VNNI (weights shifted by 128 in registers, the rows' 128·Σp taken back out)
+    and AVX2 (the sign trick) make the same exact integer sums, so the same bits, at every row
+    count and with an outlier, an extreme weight and an all-zero group."""
+    if set(variants()) != {"avx512-vnni", "avx2"}:
+        pytest.skip("this CPU does not run both variants")
+    gen = torch.Generator().manual_seed(8)
+    weight = torch.randn(80, 320, generator=gen) * 0.05
+    weight[3, :32], weight[5, 40] = 0, 4.0
+    bias = torch.randn(80, generator=gen)
+    x = torch.randn(70, 320, generator=gen).to(torch.bfloat16)
+    x[2, :7] *= 40
+    x[4, 64:96] = 0
+    layers = {v: q4.Packed(loaded(), weight, bias, 8, v) for v in ("avx512-vnni", "avx2")}
+    for rows in (1, 3, 4, 5, 17, 70):
+        assert torch.equal(layers["avx512-vnni"](x[:rows]), layers["avx2"](x[:rows])), rows
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_avx_vnni_passes_give_the_avx2_passes_bits(bits):
     """The AVX2 variant on AVX-VNNI (256-bit `vpdpbusd`, int32 sums) and on AVX2 alone (int16

@@ -13,7 +13,7 @@ def load(path: Path, version: int) -> ctypes.CDLL:
     lib.q4_version.restype = ctypes.c_int
     if lib.q4_version() != version:
         raise OSError(f"it is version {lib.q4_version()}, not {version}")
-    lib.q4_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    lib.q4_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.q4_quantize.argtypes += [ctypes.c_void_p] * 3
     lib.q4_quantize.restype = None
     lib.q4_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p]

@@ -39,7 +39,7 @@ NATIVE = Path(__file__).parent / "native"
 _FILES = ("q4gemm", "avx2", "amx", "attend", "attend_amx", "attend_amx8", "attend_dot", "step", "decode")
 SOURCES = tuple(NATIVE / f"{name}.c" for name in _FILES)  # compiled together, with the headers
 HEADERS = (NATIVE / "common.h", NATIVE / "attend_amx.h")
-VERSION = 23  # q4_version() of the source above
+VERSION = 24  # q4_version() of the source above
 TILE = 16  # outputs per tile (inputs per scale: `quantize.GROUP`)
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
 ISAS = {"avx512-vnni": 2, "avx2": 1}  # the kernel variants, as q4_gemm numbers them
@@ -272,14 +272,13 @@ def fits(out_features: int, in_features: int) -> bool:
 
 def bytes_per_weight(bits: int) -> float:
     """Memory of one weight in `Packed`'s layout: 4 bits and a float16 step and minimum per group,
-    or 8 bits, a float16 step and an int32 correction per group."""
-    return 0.5 + 4 / GROUP if bits == 4 else 1 + 6 / GROUP
+    or 8 bits and a float16 step per group (GGUF Q8_0's size)."""
+    return 0.5 + 4 / GROUP if bits == 4 else 1 + 2 / GROUP
 
 
 class Packed:
     """One weight in the kernel's layout (4 bits: GGUF Q4_1's form; 8 bits: Q8_0's), with the C
-    descriptor that points at it. `variant`: the kernel variant that will run it (8-bit weights
-    are laid out for one)."""
+    descriptor that points at it. `variant`: the kernel variant that will run it."""
 
     def __init__(
         self, lib: ctypes.CDLL, weight: Tensor, bias: Tensor | None, bits: int = 4, variant: str | None = None
@@ -300,7 +299,7 @@ class Packed:
         self.variant = ISAS[variant or isa()]
         self.w = torch.empty(n * k * bits // 8, dtype=torch.uint8)
         self.d = torch.empty(n * k // GROUP, dtype=torch.float16)
-        self.m = torch.empty(n * k // GROUP, dtype=torch.float16 if bits == 4 else torch.int32)
+        self.m = torch.empty(n * k // GROUP if bits == 4 else 0, dtype=torch.float16)  # 8 bits: no minimums
         self.bias = None
         self.layer = Layer(n, k, bits, self.w.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), None, amx_from())
         self.address = ctypes.addressof(self.layer)
@@ -315,8 +314,7 @@ class Packed:
         source = weight.detach().to(torch.bfloat16).contiguous()
         scales = start * k // GROUP  # the tile-major layout: rows [start, …) begin here
         w, d, m = self.w[scales * GROUP * self.bits // 8 :], self.d[scales:], self.m[scales:]
-        vnni = self.variant == ISAS["avx512-vnni"]
-        self.lib.q4_quantize(source.data_ptr(), rows, k, self.bits, vnni, w.data_ptr(), d.data_ptr(), m.data_ptr())
+        self.lib.q4_quantize(source.data_ptr(), rows, k, self.bits, w.data_ptr(), d.data_ptr(), m.data_ptr())
 
     def put_blocks(self, start: int, q: Tensor, step: Tensor, low: Tensor | None = None) -> None:
         """Rows [start, start + len(q)) from blocks taken as they are: 8 bits, (rows, K) int8 q, (rows, K/32)
@@ -335,9 +333,6 @@ class Packed:
             return
         blocks = q.view(-1, TILE, groups, 8, 4)  # (tile, j, group, u, i) → the layout's (tile, group, u, j, i)
         self.w.view(torch.int8).view(-1, groups, 8, TILE, 4)[tiles] = blocks.permute(0, 2, 3, 1, 4)
-        vnni = self.variant == ISAS["avx512-vnni"]
-        sums = q.view(-1, TILE, groups, GROUP).sum(-1, dtype=torch.int32).permute(0, 2, 1)
-        self.m.view(-1, groups, TILE)[tiles] = 128 * sums if vnni else 0
 
     @property
     def amx(self) -> int:

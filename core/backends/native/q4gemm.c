@@ -33,14 +33,13 @@
 #define PF_ROWS 12 /* a one-to-four-row pass (reg512) */
 #define PF8 6      /* an 8-bit pass (pair512_8) */
 
-int q4_version(void) { return 23; }
+int q4_version(void) { return 24; }
 
 /* bf16 weights (N×K, N % 16 == 0, K % 32 == 0) → the kernel's layout in one pass, as core/q4.py's
  * quantize (4 bits: step = (max − min)/15 and q = round((w − min)/step) per group, d and m float16
- * step and min) or quantize8 (8 bits: step = max|w|/127, q = round(w/step); m: 128·Σq per group
- * where `vnni`, else 0). */
-__attribute__((target("f16c"))) void q4_quantize(const uint16_t *w, int64_t n, int64_t k, int bits, int vnni,
-                                                 uint8_t *out, uint16_t *d, void *m) {
+ * step and min) or quantize8 (8 bits: step = max|w|/127, q = round(w/step); no m). */
+__attribute__((target("f16c"))) void q4_quantize(const uint16_t *w, int64_t n, int64_t k, int bits, uint8_t *out,
+                                                 uint16_t *d, uint16_t *m) {
   int64_t groups = k / GROUP;
 #pragma omp parallel for schedule(static)
   for (int64_t row = 0; row < n; row++) {
@@ -65,21 +64,18 @@ __attribute__((target("f16c"))) void q4_quantize(const uint16_t *w, int64_t n, i
             o[64 * h + 4 * j + i] = (uint8_t)(qa | (qb << 4));
           }
         d[at] = _cvtss_sh(step, 0);
-        ((uint16_t *)m)[at] = _cvtss_sh(low, 0);
+        m[at] = _cvtss_sh(low, 0);
       } else {
         float step = top / 127.0f;
         step = step < 1e-12f ? 1e-12f : step;
         int8_t *o = (int8_t *)out + (t * groups + g) * 512;
-        int32_t sum = 0;
         for (int u = 0; u < 8; u++)
           for (int i = 0; i < 4; i++) {
             float a = nearbyintf(v[4 * u + i] / step);
             int q = a < -127 ? -127 : a > 127 ? 127 : (int)a;
             o[64 * u + 4 * j + i] = (int8_t)q;
-            sum += q;
           }
         d[at] = _cvtss_sh(step, 0);
-        ((int32_t *)m)[at] = vnni ? 128 * sum : 0;
       }
     }
   }
@@ -122,7 +118,7 @@ void q4_pack_nibbles(const uint8_t *src, int64_t n, int64_t k, int64_t row, int6
 /* ---------------------------------------------------------------- AVX-512 VNNI */
 
 
-T512 static void quantize_512(const uint16_t *x, int64_t k, int8_t *p, float *e, float *s) {
+T512 static void quantize_512(const uint16_t *x, int64_t k, int8_t *p, float *e, float *s, int32_t *sum) {
   for (int64_t g = 0; g < k / GROUP; g++) {
     const uint16_t *xg = x + g * GROUP;
     __m512 a0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)xg)), 16));
@@ -133,8 +129,9 @@ T512 static void quantize_512(const uint16_t *x, int64_t k, int8_t *p, float *e,
     __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(a0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(a1, inv));
     _mm_storeu_si128((void *)(p + g * GROUP), _mm512_cvtsepi32_epi8(q0));
     _mm_storeu_si128((void *)(p + g * GROUP + 16), _mm512_cvtsepi32_epi8(q1));
+    sum[g] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
     e[g] = scale;
-    s[g] = scale * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)); /* Σ of the quantized a: see q4_run */
+    s[g] = scale * (float)sum[g]; /* Σ of the quantized a: see q4_run */
   }
 }
 
@@ -260,26 +257,28 @@ static const reg_fn regs512[5] = {0, reg512_1, reg512_2, reg512_3, reg512_4};
  * For a matrix kept at 8 bits (the embedded model's lm_head is GGUF Q8_0): w = d·q, q in
  * [-127, 127], per group of 32 inputs, laid out per tile and group as 512 bytes, byte
  * 64u + 4j + i = q[k = 4u + i][j] (u < 8 quads). VNNI multiplies unsigned by signed bytes, so
- * there the activations go in shifted by 128 and the shift comes back out exactly through
- * c = 128·Σq (int32 per tile, group and output, in the `m` slot). AVX2 uses the sign trick. */
+ * there a group's weights, once in registers, are shifted by 128 (q + 128 in [1, 255]) and the
+ * shift comes back out exactly through the row's 128·Σp: Σ (q + 128)·p − 128·Σp = Σ q·p. The
+ * shift costs an instruction a weight register, not one a row, and the layout holds no sums of
+ * the weights (it held 128·Σq, 4 bytes a group and output: an eighth more bytes to read). AVX2
+ * uses the sign trick; AMX multiplies signed bytes by signed bytes. */
 #define PAIR512_8(TILES)                                                                                             \
-  T512 static void pair512_8_##TILES(const uint8_t *w, const uint16_t *d, const int32_t *c, int64_t groups,       \
+  T512 static void pair512_8_##TILES(const uint8_t *w, const uint16_t *d, const int32_t *sum, int64_t groups,     \
                                      const int8_t *p, const float *e, int64_t k, int64_t rows, const float *bias, \
                                      uint16_t *y, int64_t ldy, float *acc) {                                      \
     const int64_t stride = groups * TILE_BYTES8;                                                                     \
     const __m512i shift = _mm512_set1_epi8((char)0x80);                                                              \
     memset(acc, 0, sizeof(float) * 32 * (size_t)rows);                                                              \
     for (int64_t g = 0; g < groups; g++) {                                                                           \
-      __m512i b[TILES][8], cg[TILES];                                                                                \
+      __m512i b[TILES][8];                                                                                           \
       __m512 dg[TILES];                                                                                              \
       for (int t = 0; t < TILES; t++) {                                                                              \
         for (int u = 0; u < 8; u++) /* the weights PF8 groups ahead (past a tile's end: the next tiles') */         \
           _mm_prefetch((const char *)(w + t * stride + (g + PF8) * TILE_BYTES8 + 64 * u), _MM_HINT_T0);              \
         _mm_prefetch((const char *)(d + t * groups * TILE + (g + PF8) * TILE), _MM_HINT_T0);                         \
-        _mm_prefetch((const char *)(c + t * groups * TILE + (g + PF8) * TILE), _MM_HINT_T0);                         \
-        for (int u = 0; u < 8; u++) b[t][u] = _mm512_loadu_si512((const void *)(w + t * stride + g * TILE_BYTES8 + 64 * u)); \
+        for (int u = 0; u < 8; u++)                                                                                  \
+          b[t][u] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + t * stride + g * TILE_BYTES8 + 64 * u)), shift); \
         dg[t] = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(d + t * groups * TILE + g * TILE)));               \
-        cg[t] = _mm512_loadu_si512((const void *)(c + t * groups * TILE + g * TILE));                                \
       }                                                                                                              \
       for (int64_t r = 0; r < rows; r++) {                                                                           \
         const int8_t *pr = p + r * k + g * GROUP;                                                                    \
@@ -288,13 +287,14 @@ static const reg_fn regs512[5] = {0, reg512_1, reg512_2, reg512_3, reg512_4};
         _Pragma("GCC unroll 8") for (int u = 0; u < 8; u++) {                                                       \
           int32_t quad;                                                                                              \
           memcpy(&quad, pr + 4 * u, 4);                                                                              \
-          __m512i a = _mm512_xor_si512(_mm512_set1_epi32(quad), shift);                                              \
-          for (int t = 0; t < TILES; t++) dot[t] = _mm512_dpbusd_epi32(dot[t], a, b[t][u]);                          \
+          __m512i a = _mm512_set1_epi32(quad);                                                                       \
+          for (int t = 0; t < TILES; t++) dot[t] = _mm512_dpbusd_epi32(dot[t], b[t][u], a);                          \
         }                                                                                                            \
         __m512 es = _mm512_set1_ps(e[r * groups + g]);                                                               \
+        __m512i shifted = _mm512_set1_epi32(128 * sum[r * groups + g]);                                              \
         for (int t = 0; t < TILES; t++) {                                                                            \
           float *ar = acc + r * 32 + 16 * t;                                                                         \
-          __m512 exact = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[t], cg[t]));                                        \
+          __m512 exact = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[t], shifted));                                      \
           _mm512_storeu_ps(ar, _mm512_fmadd_ps(exact, _mm512_mul_ps(dg[t], es), _mm512_loadu_ps(ar)));               \
         }                                                                                                            \
       }                                                                                                              \
@@ -318,13 +318,14 @@ int q4_run(const q4_layer *layer, int isa, int threads, int64_t rows, const uint
   int amx = isa == 2 && layer->amx > 0 && rows >= layer->amx;
   int64_t padded = amx ? (rows + 15) / 16 * 16 : rows; /* AMX reads whole tiles of rows: the rest zeros */
   int8_t *p = malloc((size_t)(padded * k));
-  float *e = malloc(sizeof(float) * (size_t)(padded * groups) * 2);
+  float *e = malloc(sizeof(float) * (size_t)(padded * groups) * 3); /* e, s and the int32 Σp */
   if (!p || !e) {
     free(p);
     free(e);
     return -1;
   }
   float *s = e + padded * groups;
+  int32_t *sum = (int32_t *)(s + padded * groups); /* a row's (AMX pads none: it uses none) */
   if (padded > rows) {
     memset(p + rows * k, 0, (size_t)((padded - rows) * k));
     memset(e + rows * groups, 0, sizeof(float) * (size_t)((padded - rows) * groups));
@@ -333,7 +334,7 @@ int q4_run(const q4_layer *layer, int isa, int threads, int64_t rows, const uint
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * k >= 4096)
   for (int64_t r = 0; r < rows; r++) {
     if (isa == 2)
-      quantize_512(x + r * ldx, k, p + r * k, e + r * groups, s + r * groups);
+      quantize_512(x + r * ldx, k, p + r * k, e + r * groups, s + r * groups, sum + r * groups);
     else
       q4_quantize256(x + r * ldx, k, p + r * k, e + r * groups, s + r * groups);
   }
@@ -358,7 +359,7 @@ int q4_run(const q4_layer *layer, int isa, int threads, int64_t rows, const uint
         uint16_t *yt = y + r0 * n + t * TILE;
         int two = t + 1 < tiles;
         if (eight)
-          (two ? pair512_8_2 : pair512_8_1)(wt, d + at, (const int32_t *)m + at, groups, p + r0 * k, e + r0 * groups,
+          (two ? pair512_8_2 : pair512_8_1)(wt, d + at, sum + r0 * groups, groups, p + r0 * k, e + r0 * groups,
                                             k, count, bt, yt, n, acc);
         else if (two && count <= 4)
           regs512[count](wt, d + at, m + at, groups, p + r0 * k, e + r0 * groups, s + r0 * groups, k, bt, yt, n);
