@@ -171,7 +171,7 @@ def unpacked(packed) -> torch.Tensor:
     q = torch.stack([nibbles & 15, nibbles >> 4], dim=-1)  # (tile, group, h, j, i, half)
     q = q.permute(0, 3, 1, 2, 5, 4).reshape(n, groups, 32).float()  # (tile, j, group, h, half, i)
     step, low = (
-        x.view(-1, groups, q4.TILE).transpose(1, 2).reshape(n, groups, 1).float() for x in (packed.d, packed.m)
+        x.view(-1, groups, q4.TILE).transpose(1, 2).reshape(n, groups, 1).float() for x in (packed.d, packed.minimums())
     )
     return (q * step + low).view(n, k)
 

@@ -321,12 +321,15 @@ def test_the_kv_bits_are_remembered_and_turn_only_on_a_clear_gain(tmp_path, monk
     assert cpu_attention.kv_bits(4, 4, 40, 30, tmp_path / "odd.json") == 16  # heads the attention kernel does not take
 
 
-def test_the_kv_bits_are_measured_on_this_machine(tmp_path):
-    """Both caches timed at the memory's speed with the vector kernel; a model loaded
-    after the choice keeps its keys and values so and names it in its forward."""
+def test_the_kv_bits_are_measured_on_this_machine(tmp_path, monkeypatch):
+    """Both caches timed at the memory's speed with the vector kernel, and the choice the one
+    those very timings call for (a second measurement near the threshold may well disagree: the
+    test once compared two and failed on a busy machine)."""
     _library()
-    one, many = cpu_attention._kv8_ratios(9, 3, 64, 30)
-    assert 0.2 < one < 5 and 0.2 < many < 5
+    seen = []
+    measure = cpu_attention._kv8_ratios
+    monkeypatch.setattr(cpu_attention, "_kv8_ratios", lambda *shape: seen.append(measure(*shape)) or seen[-1])
     bits = cpu_attention.kv_bits(9, 3, 64, 30, tmp_path / "record.json")
-    assert bits in (8, 16)
-    assert bits == 8 or one < cpu_attention.KV8_GAIN + kernels.CLEAR_WIN - 1 or one + many <= 2
+    [(one, many)] = seen
+    assert 0.2 < one < 5 and 0.2 < many < 5
+    assert bits == (8 if one >= cpu_attention.KV8_GAIN and one + many > 2 else 16)

@@ -362,6 +362,44 @@ def test_negative_4bit_steps_multiply_as_their_weights():
     assert errors[0] <= 2 * errors[1] + 1e-3
 
 
+@pytest.mark.parametrize("variant", ["avx512-vnni", "avx2"])
+def test_a_symmetric_weight_drops_its_minimums_and_keeps_its_bits(variant):
+    """Q4_0's blocks (every minimum −8·step): once whole, the weight keeps no minimums (the
+    kernels compute them) and multiplies bit for bit as with them, at every row count; a weight
+    with one other minimum keeps them."""
+    if variant not in variants():
+        pytest.skip(f"this CPU does not run the {variant} variant")
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randint(0, 16, (80, 320), generator=gen, dtype=torch.uint8)
+    step = ((torch.rand(80, 10, generator=gen) - 0.3) * 0.01).half()
+    bias = torch.randn(80, generator=gen)
+    x = torch.randn(40, 320, generator=gen).to(torch.bfloat16)
+    x[3, :7] *= 40
+    layers = []
+    for symmetric in (True, False):
+        layer = q4.Packed.empty(loaded(), 80, 320, bits=4, variant=variant)
+        layer.put_blocks(0, q[:48], step[:48], step[:48] * -8)
+        layer.put_blocks(48, q[48:], step[48:], step[48:] * -8)
+        layer.symmetric &= symmetric  # as a weight with another minimum somewhere
+        layer.set_bias(bias)
+        assert (layer.m.numel() == 0) == symmetric and (layer.layer.m is None) == symmetric
+        layers.append(layer)
+    assert torch.equal(layers[0].minimums(), layers[1].minimums())
+    for rows in (1, 3, 4, 5, 17, 40):
+        assert torch.equal(layers[0](x[:rows]), layers[1](x[:rows])), rows
+    if variant == "avx512-vnni" and q4.amx():  # AMX's passes too
+        layers[0].amx = 1
+        for rows in (1, 16, 17, 40):
+            assert torch.equal(layers[0](x[:rows]), layers[1](x[:rows])), rows
+    other = step[:48] * -8
+    other[5, 2] += 0.001
+    kept = q4.Packed.empty(loaded(), 80, 320, bits=4)
+    kept.put_blocks(0, q[:48], step[:48], other)
+    kept.put_blocks(48, q[48:], step[48:], step[48:] * -8)
+    kept.set_bias(None)
+    assert kept.m.numel() == 80 * 10
+
+
 def amx_loaded():
     loaded()
     if not q4.amx():

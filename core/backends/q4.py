@@ -39,7 +39,7 @@ NATIVE = Path(__file__).parent / "native"
 _FILES = ("q4gemm", "avx2", "amx", "attend", "attend_amx", "attend_amx8", "attend_dot", "step", "decode")
 SOURCES = tuple(NATIVE / f"{name}.c" for name in _FILES)  # compiled together, with the headers
 HEADERS = (NATIVE / "common.h", NATIVE / "attend_amx.h")
-VERSION = 24  # q4_version() of the source above
+VERSION = 25  # q4_version() of the source above
 TILE = 16  # outputs per tile (inputs per scale: `quantize.GROUP`)
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
 ISAS = {"avx512-vnni": 2, "avx2": 1}  # the kernel variants, as q4_gemm numbers them
@@ -300,7 +300,7 @@ class Packed:
         self.w = torch.empty(n * k * bits // 8, dtype=torch.uint8)
         self.d = torch.empty(n * k // GROUP, dtype=torch.float16)
         self.m = torch.empty(n * k // GROUP if bits == 4 else 0, dtype=torch.float16)  # 8 bits: no minimums
-        self.bias = None
+        self.bias, self.symmetric = None, bits == 4  # symmetric: every group's minimum −8·step so far (Q4_0's)
         self.layer = Layer(n, k, bits, self.w.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), None, amx_from())
         self.address = ctypes.addressof(self.layer)
 
@@ -314,6 +314,7 @@ class Packed:
         source = weight.detach().to(torch.bfloat16).contiguous()
         scales = start * k // GROUP  # the tile-major layout: rows [start, …) begin here
         w, d, m = self.w[scales * GROUP * self.bits // 8 :], self.d[scales:], self.m[scales:]
+        self.symmetric = False
         self.lib.q4_quantize(source.data_ptr(), rows, k, self.bits, w.data_ptr(), d.data_ptr(), m.data_ptr())
 
     def put_blocks(self, start: int, q: Tensor, step: Tensor, low: Tensor | None = None) -> None:
@@ -330,6 +331,7 @@ class Packed:
             at = self.w[start * k // 2 :].data_ptr()
             q.pack(self.lib, at) if hasattr(q, "pack") else self.lib.q4_pack4(q.contiguous().data_ptr(), rows, k, at)
             self.m.view(-1, groups, TILE)[tiles] = low.view(-1, TILE, groups).permute(0, 2, 1)
+            self.symmetric &= torch.equal(low.float(), step.float() * -8)
             return
         blocks = q.view(-1, TILE, groups, 8, 4)  # (tile, j, group, u, i) → the layout's (tile, group, u, j, i)
         self.w.view(torch.int8).view(-1, groups, 8, TILE, 4)[tiles] = blocks.permute(0, 2, 3, 1, 4)
@@ -345,8 +347,16 @@ class Packed:
         self.layer.amx = rows if rows and amx() else 0
 
     def set_bias(self, bias: Tensor | None) -> None:
+        """The bias, once the weight is whole: a 4-bit weight whose minimums are all −8·step (GGUF
+        Q4_0's) then drops them (the kernels compute them: an eighth of its bytes)."""
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.layer.bias = self.bias_ptr()
+        if self.symmetric and self.m.numel():
+            self.m, self.layer.m = torch.empty(0, dtype=torch.float16), None
+
+    def minimums(self) -> Tensor:
+        """A 4-bit weight's float16 minimums in the layout's order, as the kernels take them."""
+        return self.m if self.m.numel() or self.bits != 4 else (self.d.float() * -8).half()
 
     def bias_ptr(self) -> int | None:
         return None if self.bias is None else self.bias.data_ptr()

@@ -116,7 +116,7 @@ TAMX static inline __attribute__((always_inline)) void store_rows(int R, const _
       if (g >= 0) {                                                                                                  \
         const int32_t *sg = sums[g % RING];                                                                          \
         __m512 dg = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(d + g * TILE)));                              \
-        __m512 mg = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(m + g * TILE)));                              \
+        __m512 mg = MINIMUMS512(m, dg, g * TILE);                                                                    \
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                                     \
           __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(sg + 16 * r)));                           \
           acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dg, _mm512_set1_ps(e[g * R + r])), acc[r]);               \
@@ -196,7 +196,7 @@ TAMX int q4_amx_run(const q4_layer *layer, int threads, int64_t rows, const int8
         if (layer->bits == 8)
           (size == 8 ? amx8_8 : amx8_16)(layer->w + t * stride, layer->d + at, groups, pc, ec, k, count, bt, yt, n);
         else
-          (size == 8 ? amx4_8 : amx4_16)(layer->w + t * stride, layer->d + at, layer->m + at, groups, pc, ec, sc, k,
+          (size == 8 ? amx4_8 : amx4_16)(layer->w + t * stride, layer->d + at, layer->m ? layer->m + at : 0, groups, pc, ec, sc, k,
                                          count, bt, yt, n);
       }
     if (configured) _tile_release();

@@ -69,7 +69,7 @@ T256 void q4_quantize256(const uint16_t *x, int64_t k, int8_t *p, float *e, floa
       for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(wg + PF_TILE * TILE_BYTES + 64 * l), _MM_HINT_T0);     \
       if ((g + PF_TILE) % 2 == 0) {                                                                                  \
         _mm_prefetch((const char *)(d + (g + PF_TILE) * TILE), _MM_HINT_T0);                                         \
-        _mm_prefetch((const char *)(m + (g + PF_TILE) * TILE), _MM_HINT_T0);                                         \
+        if (m) _mm_prefetch((const char *)(m + (g + PF_TILE) * TILE), _MM_HINT_T0);                                  \
       }                                                                                                              \
       __m256i sum[R][2];                                                                                             \
       for (int r = 0; r < R; r++) sum[r][0] = sum[r][1] = _mm256_setzero_si256();                                  \
@@ -90,7 +90,8 @@ T256 void q4_quantize256(const uint16_t *x, int64_t k, int8_t *p, float *e, floa
       }                                                                                                              \
       for (int half = 0; half < 2; half++) {                                                                         \
         __m256 dg = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(d + g * TILE + 8 * half)));                     \
-        __m256 mg = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(m + g * TILE + 8 * half)));                     \
+        __m256 mg = m ? _mm256_cvtph_ps(_mm_loadu_si128((const void *)(m + g * TILE + 8 * half)))                  \
+                      : _mm256_mul_ps(dg, _mm256_set1_ps(-8.0f)); /* a symmetric weight's (q4_layer) */            \
         for (int r = 0; r < R; r++) {                                                                                \
           int64_t eg = r * (k / GROUP) + g;                                                                          \
           __m256 dot = _mm256_cvtepi32_ps(FINISH(sum[r][half]));                                                     \
@@ -222,7 +223,7 @@ void q4_avx2_run(const q4_layer *layer, int threads, int64_t rows, const int8_t 
         tiles256_8[avx_vnni][count](w + t * stride, d + at, groups, p + r0 * k, e + r0 * groups, k, bt,
                                     y + r0 * n + t * TILE, n);
       else
-        tiles256[avx_vnni][count](w + t * stride, d + at, m + at, groups, p + r0 * k, e + r0 * groups, s + r0 * groups, k,
+        tiles256[avx_vnni][count](w + t * stride, d + at, m ? m + at : 0, groups, p + r0 * k, e + r0 * groups, s + r0 * groups, k,
                                   bt, y + r0 * n + t * TILE, n);
     }
 }

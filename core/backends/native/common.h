@@ -154,10 +154,16 @@ T256 static inline float sums256(int64_t padded, const float *s) {
 typedef struct {
   int64_t n, k, bits; /* bits: 4 or 8 */
   const uint8_t *w;
-  const uint16_t *d, *m; /* float16 */
+  const uint16_t *d, *m; /* float16; m NULL: a symmetric weight (GGUF Q4_0's), whose minimums are −8·d */
   const float *bias;     /* or NULL */
   int64_t amx;           /* calls of this many rows or more take AMX (0: none; set only where q4_amx granted it) */
 } q4_layer;
+
+/* A group's 16 minimums: as stored, or −8·d where the weight keeps none (m NULL: −8·d is what a
+ * float16 minimum −8·d would hold exactly, so the bits are the same either way). */
+#define MINIMUMS512(m, dg, at)                                                                                       \
+  ((m) ? _mm512_cvtph_ps(_mm256_loadu_si256((const void *)((m) + (at))))                                             \
+       : _mm512_mul_ps((dg), _mm512_set1_ps(-8.0f)))
 
 int q4_run(const q4_layer *layer, int isa, int threads, int64_t rows, const uint16_t *x, int64_t ldx, uint16_t *y);
 

@@ -33,7 +33,7 @@
 #define PF_ROWS 12 /* a one-to-four-row pass (reg512) */
 #define PF8 6      /* an 8-bit pass (pair512_8) */
 
-int q4_version(void) { return 24; }
+int q4_version(void) { return 25; }
 
 /* bf16 weights (N×K, N % 16 == 0, K % 32 == 0) → the kernel's layout in one pass, as core/q4.py's
  * quantize (4 bits: step = (max − min)/15 and q = round((w − min)/step) per group, d and m float16
@@ -153,7 +153,7 @@ T512 static void quantize_512(const uint16_t *x, int64_t k, int8_t *p, float *e,
         for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(wg + PF * TILE_BYTES + 64 * l), _MM_HINT_T0);        \
         if ((g + PF) % 2 == 0) {                                                                                     \
           _mm_prefetch((const char *)(d + t * groups * TILE + (g + PF) * TILE), _MM_HINT_T0);                        \
-          _mm_prefetch((const char *)(m + t * groups * TILE + (g + PF) * TILE), _MM_HINT_T0);                        \
+          if (m) _mm_prefetch((const char *)(m + t * groups * TILE + (g + PF) * TILE), _MM_HINT_T0);                 \
         }                                                                                                            \
         for (int h = 0; h < 4; h++) {                                                                                \
           __m512i v = _mm512_loadu_si512((const void *)(wg + 64 * h));                                               \
@@ -161,7 +161,7 @@ T512 static void quantize_512(const uint16_t *x, int64_t k, int8_t *p, float *e,
           b[t][2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);                                         \
         }                                                                                                            \
         dg[t] = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(d + t * groups * TILE + g * TILE)));               \
-        mg[t] = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(m + t * groups * TILE + g * TILE)));               \
+        mg[t] = MINIMUMS512(m, dg[t], t * groups * TILE + g * TILE);                                                 \
       }                                                                                                              \
       for (int64_t r = 0; r < rows; r++) {                                                                           \
         const int8_t *pr = p + r * k + g * GROUP;                                                                    \
@@ -210,7 +210,7 @@ PAIR512(2)
       if ((g + PF_ROWS) % 2 == 0)                                                                                    \
         for (int t = 0; t < 2; t++) {                                                                                \
           _mm_prefetch((const char *)(d + t * groups * TILE + (g + PF_ROWS) * TILE), _MM_HINT_T0);                   \
-          _mm_prefetch((const char *)(m + t * groups * TILE + (g + PF_ROWS) * TILE), _MM_HINT_T0);                   \
+          if (m) _mm_prefetch((const char *)(m + t * groups * TILE + (g + PF_ROWS) * TILE), _MM_HINT_T0);            \
         }                                                                                                            \
       for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();                                  \
       _Pragma("GCC unroll 4") for (int h = 0; h < 4; h++) {                                                         \
@@ -229,7 +229,7 @@ PAIR512(2)
       }                                                                                                              \
       for (int t = 0; t < 2; t++) {                                                                                  \
         __m512 dg = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(d + t * groups * TILE + g * TILE)));           \
-        __m512 mg = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(m + t * groups * TILE + g * TILE)));           \
+        __m512 mg = MINIMUMS512(m, dg, t * groups * TILE + g * TILE);                                                \
         for (int r = 0; r < R; r++) {                                                                                \
           __m512 es = _mm512_set1_ps(e[r * groups + g]), ss = _mm512_set1_ps(s[r * groups + g]);                    \
           acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][t]), _mm512_mul_ps(dg, es), acc[r][t]);              \
@@ -362,9 +362,9 @@ int q4_run(const q4_layer *layer, int isa, int threads, int64_t rows, const uint
           (two ? pair512_8_2 : pair512_8_1)(wt, d + at, sum + r0 * groups, groups, p + r0 * k, e + r0 * groups,
                                             k, count, bt, yt, n, acc);
         else if (two && count <= 4)
-          regs512[count](wt, d + at, m + at, groups, p + r0 * k, e + r0 * groups, s + r0 * groups, k, bt, yt, n);
+          regs512[count](wt, d + at, m ? m + at : 0, groups, p + r0 * k, e + r0 * groups, s + r0 * groups, k, bt, yt, n);
         else
-          (two ? pair512_2 : pair512_1)(wt, d + at, m + at, groups, p + r0 * k, e + r0 * groups, s + r0 * groups, k,
+          (two ? pair512_2 : pair512_1)(wt, d + at, m ? m + at : 0, groups, p + r0 * k, e + r0 * groups, s + r0 * groups, k,
                                         count, bt, yt, n, acc);
       }
   } else {
