@@ -176,16 +176,8 @@ def _build(compiler: str, target: Path) -> None:
 class Layer(ctypes.Structure):
     """What q4_run needs of one packed weight (the C struct q4_layer)."""
 
-    _fields_ = [
-        ("n", ctypes.c_int64),
-        ("k", ctypes.c_int64),
-        ("bits", ctypes.c_int64),
-        ("w", ctypes.c_void_p),
-        ("d", ctypes.c_void_p),
-        ("m", ctypes.c_void_p),
-        ("bias", ctypes.c_void_p),
-        ("amx", ctypes.c_int64),
-    ]
+    _fields_ = [(name, ctypes.c_int64) for name in ("n", "k", "bits")]
+    _fields_ += [(name, ctypes.c_void_p) for name in ("w", "d", "m", "bias")] + [("amx", ctypes.c_int64)]
 
 
 def _load() -> ctypes.CDLL:
@@ -312,6 +304,7 @@ class Packed:
         if start % TILE or rows % TILE or k != self.k or start + rows > self.n:
             raise ValueError(f"rows {start}-{start + rows} of width {k} do not fit a packed {self.n}×{self.k} weight")
         source = weight.detach().to(torch.bfloat16).contiguous()
+        self._unsettle()
         scales = start * k // GROUP  # the tile-major layout: rows [start, …) begin here
         w, d, m = self.w[scales * GROUP * self.bits // 8 :], self.d[scales:], self.m[scales:]
         self.symmetric = False
@@ -326,6 +319,7 @@ class Packed:
         if not fits or start % TILE or rows % TILE or start + rows > self.n:
             raise ValueError(f"{bits}-bit rows {start}-{start + rows} of width {k} do not fit this packed weight")
         groups, tiles = k // GROUP, slice(start // TILE, (start + rows) // TILE)
+        self._unsettle()
         self.d.view(-1, groups, TILE)[tiles] = step.view(-1, TILE, groups).permute(0, 2, 1)
         if low is not None:  # laid out in C, in one pass on every core (`pack`: a file's blocks as they lie)
             at = self.w[start * k // 2 :].data_ptr()
@@ -353,6 +347,12 @@ class Packed:
         self.layer.bias = self.bias_ptr()
         if self.symmetric and self.m.numel():
             self.m, self.layer.m = torch.empty(0, dtype=torch.float16), None
+
+    def _unsettle(self) -> None:
+        """Rows to come into a weight that dropped its minimums: they are held again first."""
+        if self.bits == 4 and self.layer.m is None:
+            self.m = self.minimums()
+            self.layer.m = self.m.data_ptr()
 
     def minimums(self) -> Tensor:
         """A 4-bit weight's float16 minimums in the layout's order, as the kernels take them."""
