@@ -292,7 +292,7 @@ class Packed:
         self.w = torch.empty(n * k * bits // 8, dtype=torch.uint8)
         self.d = torch.empty(n * k // GROUP, dtype=torch.float16)
         self.m = torch.empty(n * k // GROUP if bits == 4 else 0, dtype=torch.float16)  # 8 bits: no minimums
-        self.bias, self.symmetric = None, bits == 4  # symmetric: every group's minimum −8·step so far (Q4_0's)
+        self.bias = None
         self.layer = Layer(n, k, bits, self.w.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), None, amx_from())
         self.address = ctypes.addressof(self.layer)
 
@@ -307,7 +307,6 @@ class Packed:
         self._unsettle()
         scales = start * k // GROUP  # the tile-major layout: rows [start, …) begin here
         w, d, m = self.w[scales * GROUP * self.bits // 8 :], self.d[scales:], self.m[scales:]
-        self.symmetric = False
         self.lib.q4_quantize(source.data_ptr(), rows, k, self.bits, w.data_ptr(), d.data_ptr(), m.data_ptr())
 
     def put_blocks(self, start: int, q: Tensor, step: Tensor, low: Tensor | None = None) -> None:
@@ -325,7 +324,6 @@ class Packed:
             at = self.w[start * k // 2 :].data_ptr()
             q.pack(self.lib, at) if hasattr(q, "pack") else self.lib.q4_pack4(q.contiguous().data_ptr(), rows, k, at)
             self.m.view(-1, groups, TILE)[tiles] = low.view(-1, TILE, groups).permute(0, 2, 1)
-            self.symmetric &= torch.equal(low.float(), step.float() * -8)
             return
         blocks = q.view(-1, TILE, groups, 8, 4)  # (tile, j, group, u, i) → the layout's (tile, group, u, j, i)
         self.w.view(torch.int8).view(-1, groups, 8, TILE, 4)[tiles] = blocks.permute(0, 2, 3, 1, 4)
@@ -345,7 +343,7 @@ class Packed:
         Q4_0's) then drops them (the kernels compute them: an eighth of its bytes)."""
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.layer.bias = self.bias_ptr()
-        if self.symmetric and self.m.numel():
+        if self.bits == 4 and self.m.numel() and torch.equal(self.m, (self.d.float() * -8).half()):
             self.m, self.layer.m = torch.empty(0, dtype=torch.float16), None
 
     def _unsettle(self) -> None:
