@@ -170,9 +170,7 @@ def unpacked(packed) -> torch.Tensor:
     nibbles = packed.w.view(-1, groups, 4, q4.TILE, 4)  # (tile, group, h, j, i)
     q = torch.stack([nibbles & 15, nibbles >> 4], dim=-1)  # (tile, group, h, j, i, half)
     q = q.permute(0, 3, 1, 2, 5, 4).reshape(n, groups, 32).float()  # (tile, j, group, h, half, i)
-    step, low = (
-        x.view(-1, groups, q4.TILE).transpose(1, 2).reshape(n, groups, 1).float() for x in (packed.d, packed.minimums())
-    )
+    step, low = (x.transpose(1, 2).reshape(n, groups, 1) for x in packed.groups())
     return (q * step + low).view(n, k)
 
 
@@ -242,7 +240,7 @@ def test_the_librarys_kernels_pack_weights_as_read_and_hold_a_tied_vocabulary_on
     tables = [t for t in packed_state(new.model).values() if t.shape == (TINY["vocab_size"], TINY["hidden_size"])]
     assert not tables
     ids = torch.tensor([[5, 49151, 7]])
-    assert torch.equal(embedding(ids), head.packed.rows(ids.flatten(), torch.bfloat16).view(1, 3, -1))
+    assert torch.equal(embedding(ids), lean.eight_bit_rows(head.packed, ids.flatten(), torch.bfloat16).view(1, 3, -1))
     old_path(monkeypatch)
     old = loader.load_backbone(str(folder), device="cpu", quantization="int4")
     assert_same_model(new, old)

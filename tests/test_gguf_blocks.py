@@ -1,5 +1,5 @@
 """A GGUF file's 4- and 8-bit blocks in the layers' form (`models.gguf_blocks`): the file's own
-weights (Q4_0, Q4_1, Q8_0 exactly; Q4_K within its float16 steps' rounding), which the former
+weights exactly (Q4_0, Q4_1, Q4_K, Q8_0), which the former
 route (dequantized, cast to bfloat16, quantized again) moved."""
 
 from __future__ import annotations
@@ -16,9 +16,13 @@ from tests.gguf_writer import quantize
 
 
 def weights(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """What the blocks' (q, step[, minimum]) hold: step·q (+ minimum) per group of 32."""
+    """What the blocks' (q, step[, minimum[, multipliers]]) hold: step·q (+ minimum) per group of
+    32 (Q4_K's step and minimum per 256, times its multipliers per 32)."""
     q, step, *low = parts
     q = q.unpacked() if isinstance(q, Nibbles) else q
+    if len(low) == 2:  # Q4_K's
+        step, low = (x.float().repeat_interleave(8, dim=1) * low[1][..., i] for i, x in enumerate((step, low[0])))
+        low = [low]
     values = q.float().view(q.shape[0], -1, grid.GROUP) * step.float()[..., None]
     if low:
         values = values + low[0].float()[..., None]
@@ -39,17 +43,14 @@ def test_blocks_hold_the_files_weights(kind, bits):
     raw = quantize(rng.normal(0, 0.05, (32, 512)).astype(np.float32), kind)
     exact = torch.from_numpy(gguf.quants.dequantize(raw, Kind[kind]).copy())
     parts = decode(Kind[kind], raw, bits)
-    assert len(parts) == (2 if bits == 8 else 3) and all(p.shape == (32, 512 // grid.GROUP) for p in parts[1:])
+    held = 512 // (256 if kind == "Q4_K" else grid.GROUP)  # steps a row
+    assert len(parts) == (2 if bits == 8 else 4 if kind == "Q4_K" else 3)
+    assert all(p.shape == (32, held) for p in parts[1:3])
     assert parts[0].dtype == (torch.int8 if bits == 8 else torch.uint8) and parts[0].shape == (32, 512)
-    got = weights(parts)
-    rms = (got - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt()
-    if kind == "Q4_K":  # the steps and minimums rounded to float16
-        assert 0 < rms < 1e-3
-    else:
-        assert torch.equal(got, exact)
+    assert torch.equal(weights(parts), exact)
     if bits == 4:  # what quantizing again did: Q4_0's groups rarely span all 16 levels
         again = (requantized(exact) - exact).pow(2).mean().sqrt() / exact.pow(2).mean().sqrt()
-        assert again > (0.01 if kind == "Q4_0" else rms)
+        assert again > 0.01 if kind == "Q4_0" else again > 0
 
 
 def test_q4_0_steps_may_be_negative_and_the_minimum_is_eight_steps_down():
@@ -68,11 +69,15 @@ def test_nibbles_laid_out_as_they_lie_equal_the_values_unpacked_first(kind):
         pytest.skip(q4.unavailable())
     rng = np.random.default_rng(8)
     raw = quantize(rng.normal(0, 0.05, (48, 512)).astype(np.float32), kind)
-    q, step, low = decode(Kind[kind], raw, 4)
+    q, *steps = decode(Kind[kind], raw, 4)
     direct = q4.Packed.empty(q4.library(), 48, 512, bits=4)
     direct.put_blocks(32, *decode(Kind[kind], raw[32:], 4))
     direct.put_blocks(0, *decode(Kind[kind], raw[:32], 4))
     unpacked = q4.Packed.empty(q4.library(), 48, 512, bits=4)
-    unpacked.put_blocks(0, q.unpacked(), step, low)
-    for name in ("w", "d", "m"):
+    unpacked.put_blocks(0, q.unpacked(), *steps)
+    for name in ("w", "d", "m", "k6"):
         assert torch.equal(getattr(direct, name), getattr(unpacked, name)), name
+    assert bool(direct.k6.numel()) == (kind == "Q4_K")  # Q4_K's held in its own form
+    exact = torch.from_numpy(gguf.quants.dequantize(raw, Kind[kind]).copy())
+    step, low = (x.transpose(1, 2).reshape(48, -1, 1) for x in direct.groups())  # (row, group, 1)
+    assert torch.equal(q.unpacked().float().view(48, -1, 32) * step + low, exact.view(48, -1, 32))

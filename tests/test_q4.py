@@ -221,13 +221,13 @@ def test_8_bit_cache_rows_are_written_in_c_as_in_torch():
 
 @pytest.mark.parametrize("variant", ["avx512-vnni", "avx2"])
 def test_argmax_gives_torchs_indices(variant, monkeypatch):
-    """q4.argmax (greedy acceptance's, for bf16 logits on the CPU) gives torch's argmax in each
+    """stepops.argmax (greedy acceptance's, for bf16 logits on the CPU) gives torch's argmax in each
     variant: the first of equal values, a NaN as the largest, a row of -inf's first index, one row
     or many (at the vocabularies' sizes and a few values), and declines strided rows and other dtypes."""
     loaded()
     if variant not in variants():
         pytest.skip(f"this CPU does not run the {variant} kernels")
-    monkeypatch.setattr(q4, "isa", lambda: variant)
+    monkeypatch.setattr(stepops, "isa", lambda: variant)
     gen = torch.Generator().manual_seed(3)
     for rows, vocab in ((1, 49152), (16, 262144), (5, 7)):
         x = torch.randn(rows, vocab, generator=gen).to(torch.bfloat16)
@@ -235,10 +235,10 @@ def test_argmax_gives_torchs_indices(variant, monkeypatch):
         if rows > 2:
             x[1, 3], x[1, 5] = float("nan"), float("nan")
             x[2] = float("-inf")
-        assert torch.equal(q4.argmax(x), x.float().argmax(-1))
-        assert torch.equal(q4.argmax(x[0]), x[0].float().argmax(-1))
-    assert q4.argmax(torch.randn(3, 10).to(torch.bfloat16)[:, ::2]) is None
-    assert q4.argmax(torch.randn(3, 10)) is None
+        assert torch.equal(stepops.argmax(x), x.float().argmax(-1))
+        assert torch.equal(stepops.argmax(x[0]), x[0].float().argmax(-1))
+    assert stepops.argmax(torch.randn(3, 10).to(torch.bfloat16)[:, ::2]) is None
+    assert stepops.argmax(torch.randn(3, 10)) is None
 
 
 @pytest.mark.parametrize("variant", ["avx512-vnni", "avx2"])
@@ -300,10 +300,10 @@ def test_rows_of_an_8bit_weight_read_back_as_the_kernel_multiplies_them():
     q, step = quantize.quantize8(weight)
     want = (q.float().view(64, -1, quantize.GROUP) * step.half().float()[..., None]).view(64, 96)
     ids = torch.tensor([0, 17, 63, 17, 40])
-    assert torch.equal(layer.rows(ids, torch.float32), want[ids])
-    assert torch.equal(layer.rows(ids, torch.bfloat16), want[ids].bfloat16())
+    assert torch.equal(fast.eight_bit_rows(layer, ids, torch.float32), want[ids])
+    assert torch.equal(fast.eight_bit_rows(layer, ids, torch.bfloat16), want[ids].bfloat16())
     with pytest.raises(ValueError, match="8-bit"):
-        q4.Packed(loaded(), weight, None, bits=4).rows(ids, torch.float32)
+        fast.eight_bit_rows(q4.Packed(loaded(), weight, None, bits=4), ids, torch.float32)
 
 
 def test_8bit_blocks_put_as_they_are_equal_the_weight_quantized_in_c():
@@ -316,14 +316,14 @@ def test_8bit_blocks_put_as_they_are_equal_the_weight_quantized_in_c():
     values = (q.float().view(48, 2, 32) * step.float()[..., None]).view(48, 64)
     for variant in variants():
         whole = q4.Packed(loaded(), values.bfloat16(), None, bits=8, variant=variant)
-        assert torch.equal(whole.rows(torch.arange(48), torch.float32), values)
+        assert torch.equal(fast.eight_bit_rows(whole, torch.arange(48), torch.float32), values)
         blocks = q4.Packed.empty(loaded(), 48, 64, bits=8, variant=variant)
         blocks.put_blocks(32, q[32:], step[32:])
         blocks.put_blocks(0, q[:32], step[:32])
         for name in ("w", "d", "m"):
             assert torch.equal(getattr(blocks, name), getattr(whole, name)), name
         x = torch.randn(2, 64, generator=gen).bfloat16()
-        assert torch.equal(blocks.rows(torch.arange(48), torch.float32), values)
+        assert torch.equal(fast.eight_bit_rows(blocks, torch.arange(48), torch.float32), values)
         assert torch.equal(blocks(x), whole(x))
 
 
@@ -382,10 +382,10 @@ def test_a_symmetric_weight_drops_its_minimums_and_keeps_its_bits(variant):
         layer.put_blocks(48, q[48:], step[48:], step[48:] * -8)
         layer.set_bias(bias)
         if not symmetric:
-            layer._unsettle()  # the same weight holding its minimums again
+            layer._unsettle(form=None)  # the same weight holding its minimums again
         assert (layer.m.numel() == 0) == symmetric and (layer.layer.m is None) == symmetric
         layers.append(layer)
-    assert torch.equal(layers[0].minimums(), layers[1].minimums())
+    assert torch.equal(layers[0].groups()[1], layers[1].groups()[1])
     for rows in (1, 3, 4, 5, 17, 40):
         assert torch.equal(layers[0](x[:rows]), layers[1](x[:rows])), rows
     if variant == "avx512-vnni" and q4.amx():  # AMX's passes too
@@ -403,6 +403,47 @@ def test_a_symmetric_weight_drops_its_minimums_and_keeps_its_bits(variant):
     layers[0].put(16, weight)
     layers[1].put(16, weight)
     assert layers[0].layer.m is not None and torch.equal(layers[0](x[:5]), layers[1](x[:5]))
+
+
+@pytest.mark.parametrize("variant", ["avx512-vnni", "avx2"])
+def test_q4_k_form_multiplies_as_its_steps_per_group(variant):
+    """A weight put in Q4_K's form (float16 d and −dmin per 256 weights, byte multipliers per 32)
+    holds a fourteenth fewer bytes than one with float16 steps and minimums per group, and
+    multiplies bit for bit as that one where its products d·sc and dmin·m are float16 exactly
+    (d a power of two), at every row count; rows put per group later turn it into that form."""
+    if variant not in variants():
+        pytest.skip(f"this CPU does not run the {variant} variant")
+    gen = torch.Generator().manual_seed(14)
+    n, k = 80, 512
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    d, dmin = ((2.0 ** -torch.randint(8, 14, (n, k // 256), generator=gen)).half() for _ in range(2))
+    d[3, 1] = 0  # a block of zeros
+    multipliers = torch.randint(0, 64, (n, k // 32, 2), generator=gen, dtype=torch.uint8)
+    step, low = (x.float().repeat_interleave(8, dim=1) * multipliers[..., i] for i, x in enumerate((d, -dmin)))
+    x = torch.randn(40, k, generator=gen).to(torch.bfloat16)
+    x[3, :7] *= 40
+    compact, groups = (q4.Packed.empty(loaded(), n, k, bits=4, variant=variant) for _ in range(2))
+    for start, stop in ((48, 80), (0, 48)):
+        compact.put_blocks(start, q[start:stop], d[start:stop], -dmin[start:stop], multipliers[start:stop])
+        groups.put_blocks(start, q[start:stop], step[start:stop].half(), low[start:stop].half())
+    compact.set_bias(None)
+    groups.set_bias(None)
+    size = sum(t.numel() * t.element_size() for t in (compact.w, compact.d, compact.m, compact.k6))
+    assert compact.k6.numel() and size == n * k * (0.5 + 2 / 32 + 4 / 256)
+    assert all(torch.equal(a, b) for a, b in zip(compact.groups(), groups.groups(), strict=True))
+    for rows in (1, 2, 3, 4, 5, 17, 40):
+        assert torch.equal(compact(x[:rows]), groups(x[:rows])), rows
+    if variant == "avx512-vnni" and q4.amx():  # AMX's passes too
+        compact.amx = 1
+        for rows in (1, 16, 17, 40):
+            assert torch.equal(compact(x[:rows]), groups(x[:rows])), rows
+        compact.amx = 0
+    compact.put_blocks(16, q[16:32], step[16:32].half(), low[16:32].half())  # per group: the form changes
+    assert not compact.k6.numel() and torch.equal(compact(x[:5]), groups(x[:5]))
+    late = q4.Packed.empty(loaded(), n, k, bits=4, variant=variant)  # Q4_K's blocks into a weight held per group
+    late.put(0, torch.randn(16, k, generator=gen))
+    late.put_blocks(0, q, d, -dmin, multipliers)
+    assert not late.k6.numel() and torch.equal(late(x[:5]), groups(x[:5]))
 
 
 def amx_loaded():

@@ -3,14 +3,13 @@ layers): built here with the C compiler, cached, and loaded.
 
 torch's int4 CPU matmul unpacks the weights again for every block of 4 rows, so verifying a tree
 of 8 or 16 nodes costs 2–4× a one-token step. `q4gemm.c` unpacks a group of weights once and uses
-it for 8 rows (int8 activations, integer dot products: AVX-512 VNNI, or AVX2), so a tree's
-verify costs about what reading the weights costs. Where the CPU has AMX, calls of many rows run
-on its tile unit (`amx.c`, the same bits), from a row count measured here (`use_amx`).
+it for every row (int8 activations, integer dot products: AVX-512 VNNI or AVX2; AMX from a row
+count measured here, `use_amx`, the same bits), so a tree's verify costs about what reading the
+weights costs.
 
-The library is compiled once per source and compiler (under a second) into the user's cache and
-loaded from there on later launches. A cached file that cannot be loaded, reports another
-version or fails the self-test (truncated, damaged, stale) is deleted and built again, with one
-sentence on stderr. Where no compiler or no AVX2 is found, `library()` is None, `unavailable()`
+The library is compiled once per source and compiler into the user's cache. A cached file that
+cannot be loaded, reports another version or fails the self-test is deleted and built again, with
+one sentence on stderr. Where no compiler or no AVX2 is found, `library()` is None, `unavailable()`
 says why, and the model keeps torch's int4 kernel.
 """
 
@@ -39,7 +38,7 @@ NATIVE = Path(__file__).parent / "native"
 _FILES = ("q4gemm", "avx2", "amx", "attend", "attend_amx", "attend_amx8", "attend_dot", "step", "decode")
 SOURCES = tuple(NATIVE / f"{name}.c" for name in _FILES)  # compiled together, with the headers
 HEADERS = (NATIVE / "common.h", NATIVE / "attend_amx.h")
-VERSION = 25  # q4_version() of the source above
+VERSION = 26  # q4_version() of the source above
 TILE = 16  # outputs per tile (inputs per scale: `quantize.GROUP`)
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
 ISAS = {"avx512-vnni": 2, "avx2": 1}  # the kernel variants, as q4_gemm numbers them
@@ -178,6 +177,7 @@ class Layer(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_int64) for name in ("n", "k", "bits")]
     _fields_ += [(name, ctypes.c_void_p) for name in ("w", "d", "m", "bias")] + [("amx", ctypes.c_int64)]
+    _fields_ += [("k6", ctypes.c_void_p)]
 
 
 def _load() -> ctypes.CDLL:
@@ -228,21 +228,9 @@ def library() -> ctypes.CDLL | None:
         return _state["lib"]
 
 
-def argmax(x: Tensor) -> Tensor | None:
-    """torch's `x.argmax(-1)` for bf16 logits on the CPU, a (V,) row or (T, V) rows with contiguous
-    rows, from the library where this process has it loaded (the same indices: the first of equal
-    values, a NaN as the largest); None where it does not take them. torch widens them to float32
-    first: 0.4 ms a row of a 262k vocabulary, 3.5 ms for a 16-node tree's rows."""
-    lib = _state.get("lib")
-    if lib is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() not in (1, 2):
-        return None
-    if x.shape[-1] == 0 or x.stride(-1) != 1:
-        return None
-    rows = x.unsqueeze(0) if x.dim() == 1 else x
-    out = torch.empty(rows.shape[0], dtype=torch.int64)
-    shape, address = (rows.shape[0], rows.shape[1]), rows.data_ptr()
-    lib.q4_argmax(ISAS[isa()], torch.get_num_threads(), *shape, address, rows.stride(0), out.data_ptr())
-    return out[0] if x.dim() == 1 else out
+def loaded() -> ctypes.CDLL | None:
+    """The library where this process has it loaded already, else None (nothing is built)."""
+    return _state.get("lib")
 
 
 def prepare() -> threading.Thread:
@@ -282,8 +270,7 @@ class Packed:
     @classmethod
     def empty(cls, lib: ctypes.CDLL, n: int, k: int, bits: int = 4, variant: str | None = None) -> Packed:
         """An (n, k) weight's memory, its rows to come with `put` (then its bias with `set_bias`)."""
-        packed = cls.__new__(cls)
-        packed._allocate(lib, n, k, bits, variant)
+        (packed := cls.__new__(cls))._allocate(lib, n, k, bits, variant)
         return packed
 
     def _allocate(self, lib: ctypes.CDLL, n: int, k: int, bits: int, variant: str | None) -> None:
@@ -292,8 +279,9 @@ class Packed:
         self.w = torch.empty(n * k * bits // 8, dtype=torch.uint8)
         self.d = torch.empty(n * k // GROUP, dtype=torch.float16)
         self.m = torch.empty(n * k // GROUP if bits == 4 else 0, dtype=torch.float16)  # 8 bits: no minimums
-        self.bias = None
-        self.layer = Layer(n, k, bits, self.w.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), None, amx_from())
+        self.k6 = torch.empty(0, dtype=torch.uint8)  # Q4_K's multipliers, where it is held in that form
+        self.bias, self.blank = None, True  # blank: no rows put yet
+        self.layer = Layer(n, k, bits, self.w.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), None, amx_from(), None)
         self.address = ctypes.addressof(self.layer)
 
     def put(self, start: int, weight: Tensor) -> None:
@@ -304,27 +292,38 @@ class Packed:
         if start % TILE or rows % TILE or k != self.k or start + rows > self.n:
             raise ValueError(f"rows {start}-{start + rows} of width {k} do not fit a packed {self.n}×{self.k} weight")
         source = weight.detach().to(torch.bfloat16).contiguous()
-        self._unsettle()
+        self._unsettle(form=None)
         scales = start * k // GROUP  # the tile-major layout: rows [start, …) begin here
         w, d, m = self.w[scales * GROUP * self.bits // 8 :], self.d[scales:], self.m[scales:]
         self.lib.q4_quantize(source.data_ptr(), rows, k, self.bits, w.data_ptr(), d.data_ptr(), m.data_ptr())
 
-    def put_blocks(self, start: int, q: Tensor, step: Tensor, low: Tensor | None = None) -> None:
+    def put_blocks(
+        self, start: int, q: Tensor, step: Tensor, low: Tensor | None = None, multipliers: Tensor | None = None
+    ) -> None:
         """Rows [start, start + len(q)) from blocks taken as they are: 8 bits, (rows, K) int8 q, (rows, K/32)
         float16 steps (GGUF Q8_0's); 4 bits, uint8 q in [0, 15] (or `models.gguf_blocks.Nibbles`), float16
-        steps and minimums (Q4_0/1/K's)."""
+        steps and minimums per group (Q4_0/1's), or (`multipliers`, Q4_K's: w = d·sc·q − dmin·mn) its float16
+        d and −dmin per 256 weights and (rows, K/32, 2) uint8 sc and mn per group, held so where the weight
+        is put in that form alone."""
         (rows, k), bits = q.shape, 8 if low is None else 4
         fits = (bits, q.dtype) == (self.bits, torch.int8 if bits == 8 else torch.uint8) and k == self.k
-        if not fits or start % TILE or rows % TILE or start + rows > self.n:
+        if not fits or start % TILE or rows % TILE or start + rows > self.n or (multipliers is not None and k % 256):
             raise ValueError(f"{bits}-bit rows {start}-{start + rows} of width {k} do not fit this packed weight")
         groups, tiles = k // GROUP, slice(start // TILE, (start + rows) // TILE)
-        self._unsettle()
-        self.d.view(-1, groups, TILE)[tiles] = step.view(-1, TILE, groups).permute(0, 2, 1)
+        self._unsettle(form=None if multipliers is None else "k")
+        if multipliers is not None and not self.k6.numel():  # the weight is held per group: so are these
+            step, low = (x.float().repeat_interleave(8, dim=1) * multipliers[..., i] for i, x in enumerate((step, low)))
+            step, low, multipliers = step.half(), low.half(), None
         if low is not None:  # laid out in C, in one pass on every core (`pack`: a file's blocks as they lie)
             at = self.w[start * k // 2 :].data_ptr()
             q.pack(self.lib, at) if hasattr(q, "pack") else self.lib.q4_pack4(q.contiguous().data_ptr(), rows, k, at)
-            self.m.view(-1, groups, TILE)[tiles] = low.view(-1, TILE, groups).permute(0, 2, 1)
+            held = groups if multipliers is None else groups // 8
+            for mine, given in ((self.d, step), (self.m, low)):
+                mine.view(-1, held, TILE)[tiles] = given.view(-1, TILE, held).permute(0, 2, 1)
+            if multipliers is not None:  # (tile, group, 2, output)
+                self.k6.view(-1, groups, 2, TILE)[tiles] = multipliers.view(-1, TILE, groups, 2).permute(0, 2, 3, 1)
             return
+        self.d.view(-1, groups, TILE)[tiles] = step.view(-1, TILE, groups).permute(0, 2, 1)
         blocks = q.view(-1, TILE, groups, 8, 4)  # (tile, j, group, u, i) → the layout's (tile, group, u, j, i)
         self.w.view(torch.int8).view(-1, groups, 8, TILE, 4)[tiles] = blocks.permute(0, 2, 3, 1, 4)
 
@@ -343,32 +342,36 @@ class Packed:
         Q4_0's) then drops them (the kernels compute them: an eighth of its bytes)."""
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.layer.bias = self.bias_ptr()
-        if self.bits == 4 and self.m.numel() and torch.equal(self.m, (self.d.float() * -8).half()):
+        per_group = self.bits == 4 and self.m.numel() and not self.k6.numel()  # minimums per group held
+        if per_group and torch.equal(self.m, (self.d.float() * -8).half()):
             self.m, self.layer.m = torch.empty(0, dtype=torch.float16), None
 
-    def _unsettle(self) -> None:
-        """Rows to come into a weight that dropped its minimums: they are held again first."""
-        if self.bits == 4 and self.layer.m is None:
-            self.m = self.minimums()
-            self.layer.m = self.m.data_ptr()
+    def _unsettle(self, form: str | None) -> None:
+        """Before rows come in `form` ("k": Q4_K's, None: per group): a blank weight takes Q4_K's form
+        for them; one held in Q4_K's form takes rows per group by holding its own so first; one that
+        dropped its minimums holds them again."""
+        if self.bits == 4 and self.blank and form == "k":
+            blocks = self.n * self.k // GROUP // 8
+            self.d, self.m = torch.empty(blocks, dtype=torch.float16), torch.empty(blocks, dtype=torch.float16)
+            self.k6 = torch.empty(self.n * self.k // GROUP * 2, dtype=torch.uint8)
+        elif self.bits == 4 and (self.layer.m is None or (self.k6.numel() and form is None)):
+            step, low = self.groups()
+            self.d, self.m, self.k6 = step.half().flatten(), low.half().flatten(), self.k6[:0]
+        self.layer.d, self.layer.m = self.d.data_ptr(), self.m.data_ptr() if self.m.numel() else None
+        self.layer.k6, self.blank = self.k6.data_ptr() if self.k6.numel() else None, False
 
-    def minimums(self) -> Tensor:
-        """A 4-bit weight's float16 minimums in the layout's order, as the kernels take them."""
-        return self.m if self.m.numel() or self.bits != 4 else (self.d.float() * -8).half()
+    def groups(self) -> tuple[Tensor, Tensor]:
+        """A 4-bit weight's steps and minimums, (tiles, K/32, 16) float32 each, as the kernels make them."""
+        groups = self.k // GROUP
+        if not self.k6.numel():  # a weight that dropped its minimums: −8·step (set_bias)
+            low = self.m.float() if self.m.numel() else self.d.float() * -8
+            return self.d.view(-1, groups, TILE).float(), low.view(-1, groups, TILE)
+        multipliers = self.k6.view(-1, groups, 2, TILE).float()
+        held = (x.view(-1, groups // 8, TILE).float().repeat_interleave(8, dim=1) for x in (self.d, self.m))
+        return tuple(multipliers[:, :, i] * x for i, x in enumerate(held))
 
     def bias_ptr(self) -> int | None:
         return None if self.bias is None else self.bias.data_ptr()
-
-    def rows(self, ids: Tensor, dtype: torch.dtype) -> Tensor:
-        """(n,) output indices → (n, K) those rows of an 8-bit weight as the kernel multiplies them
-        (q · step, in `dtype`): per tile and group, byte 64u + 4j + i holds row j's input 4u + i."""
-        if self.bits != 8:
-            raise ValueError("rows are read back from 8-bit weights only")
-        groups = self.d.numel() // self.n
-        tile, j = ids // TILE, ids % TILE
-        q = self.w.view(torch.int8).view(-1, groups, 8, TILE, 4)[tile, :, :, j, :]  # (n, groups, 8, 4)
-        step = self.d.view(-1, groups, TILE)[tile, :, j].float()  # (n, groups)
-        return (q.reshape(len(ids), groups, GROUP).float() * step.unsqueeze(-1)).flatten(1).to(dtype)
 
     def __call__(self, x: Tensor) -> Tensor:
         """(rows, K) bf16, rows contiguous → (rows, N) bf16."""

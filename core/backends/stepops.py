@@ -8,7 +8,7 @@ import ctypes
 import torch
 from torch import Tensor
 
-from core.backends.q4 import ISAS, amx, isa, library
+from core.backends.q4 import ISAS, amx, isa, library, loaded
 from core.cpuinfo import cpu_flags
 
 HEAD_STEP, MAX_HEAD = 16, 512  # the head sizes the attention kernel takes (step.c)
@@ -150,3 +150,20 @@ def ops(dtype: torch.dtype, device: torch.device | str = "cpu") -> Ops | None:
     read host memory), or None where they do not run."""
     lib = library() if dtype == torch.bfloat16 and torch.device(device).type == "cpu" else None
     return None if lib is None else Ops(lib)
+
+
+def argmax(x: Tensor) -> Tensor | None:
+    """torch's `x.argmax(-1)` for bf16 logits on the CPU, a (V,) row or (T, V) rows with contiguous
+    rows, from the library where this process has it loaded (the same indices: the first of equal
+    values, a NaN as the largest); None where it does not take them. torch widens them to float32
+    first: 0.4 ms a row of a 262k vocabulary, 3.5 ms for a 16-node tree's rows."""
+    lib = loaded()
+    if lib is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() not in (1, 2):
+        return None
+    if x.shape[-1] == 0 or x.stride(-1) != 1:
+        return None
+    rows = x.unsqueeze(0) if x.dim() == 1 else x
+    out = torch.empty(rows.shape[0], dtype=torch.int64)
+    shape, address = (rows.shape[0], rows.shape[1]), rows.data_ptr()
+    lib.q4_argmax(ISAS[isa()], torch.get_num_threads(), *shape, address, rows.stride(0), out.data_ptr())
+    return out[0] if x.dim() == 1 else out

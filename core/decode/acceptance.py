@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from core.backends import q4
+from core.backends import stepops
 from core.decode.tree import TreeBuffers
 from core.errors import UserError
 
@@ -40,10 +40,10 @@ def check_typical(epsilon: float, delta: float) -> None:
 
 def greedy(logits: Tensor) -> Tensor:
     """argmax over the last dimension: bf16 logits on the CPU by the kernel library where it is
-    loaded (`q4.argmax`), else in float32 (a bf16 argmax on the CPU costs about 5× the conversion
+    loaded (`stepops.argmax`), else in float32 (a bf16 argmax on the CPU costs about 5× the conversion
     and argmax together: 150 against 30 µs for a 49k vocabulary; bf16 → float32 is exact, so the
     token is the same)."""
-    fast = q4.argmax(logits)
+    fast = stepops.argmax(logits)
     return fast if fast is not None else logits.float().argmax(dim=-1)
 
 

@@ -112,7 +112,7 @@ class TiedHead(PackedLinear):
 
     def rows(self, ids: Tensor) -> Tensor:
         """(n,) token ids → (n, H) their rows of the table, in `dtype`."""
-        return self.packed.rows(ids.reshape(-1), self.dtype).view(*ids.shape, self.in_features)
+        return eight_bit_rows(self.packed, ids.reshape(-1), self.dtype).view(*ids.shape, self.in_features)
 
     @property
     def weight(self) -> Tensor:
@@ -139,6 +139,18 @@ class PackedEmbedding(nn.Module):
     def forward(self, ids: Tensor) -> Tensor:
         rows = self._head[0].rows(ids)
         return rows if self.scale is None else rows * self.scale
+
+
+def eight_bit_rows(packed: q4.Packed, ids: Tensor, dtype: torch.dtype) -> Tensor:
+    """(n,) output indices → (n, K) those rows of an 8-bit `q4.Packed` weight as the kernel multiplies
+    them (q · step, in `dtype`): per tile and group, byte 64u + 4j + i holds row j's input 4u + i."""
+    if packed.bits != 8:
+        raise ValueError("rows are read back from 8-bit weights only")
+    groups = packed.d.numel() // packed.n
+    tile, j = ids // q4.TILE, ids % q4.TILE
+    q = packed.w.view(torch.int8).view(-1, groups, 8, q4.TILE, 4)[tile, :, :, j, :]  # (n, groups, 8, 4)
+    step = packed.d.view(-1, groups, q4.TILE)[tile, :, j].float()  # (n, groups)
+    return (q.reshape(len(ids), groups, GROUP).float() * step.unsqueeze(-1)).flatten(1).to(dtype)
 
 
 def rows_of(module: nn.Module, ids: Tensor) -> Tensor:

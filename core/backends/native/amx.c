@@ -90,7 +90,7 @@ TAMX static inline __attribute__((always_inline)) void store_rows(int R, const _
 /* 4-bit weights: one output tile for R rows (p padded with zeros to R rows; e and s by group, R
  * rows a group), its first `rows` stored, as q4gemm.c's reg512 and pair512 compute them. */
 #define AMX4(R)                                                                                                      \
-  TAMX static void amx4_##R(const uint8_t *w, const uint16_t *d, const uint16_t *m, int64_t groups,               \
+  TAMX static void amx4_##R(const uint8_t *w, q4_steps st, int64_t groups,                                        \
                             const int8_t *p, const float *e, const float *s, int64_t k, int64_t rows,              \
                             const float *bias, uint16_t *y, int64_t ldy) {                                         \
     const __m512i low = _mm512_set1_epi8(15);                                                                       \
@@ -115,8 +115,7 @@ TAMX static inline __attribute__((always_inline)) void store_rows(int R, const _
       g = i - 2 * AHEAD;                                                                                             \
       if (g >= 0) {                                                                                                  \
         const int32_t *sg = sums[g % RING];                                                                          \
-        __m512 dg = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(d + g * TILE)));                              \
-        __m512 mg = MINIMUMS512(m, dg, g * TILE);                                                                    \
+        __m512 dg = STEPS512(st, groups, 0, g), mg = MINIMUMS512(st, dg, groups, 0, g);                             \
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                                     \
           __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(sg + 16 * r)));                           \
           acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dg, _mm512_set1_ps(e[g * R + r])), acc[r]);               \
@@ -196,8 +195,8 @@ TAMX int q4_amx_run(const q4_layer *layer, int threads, int64_t rows, const int8
         if (layer->bits == 8)
           (size == 8 ? amx8_8 : amx8_16)(layer->w + t * stride, layer->d + at, groups, pc, ec, k, count, bt, yt, n);
         else
-          (size == 8 ? amx4_8 : amx4_16)(layer->w + t * stride, layer->d + at, layer->m ? layer->m + at : 0, groups, pc, ec, sc, k,
-                                         count, bt, yt, n);
+          (size == 8 ? amx4_8 : amx4_16)(layer->w + t * stride, tile_steps(layer, t), groups, pc, ec, sc, k, count, bt,
+                                         yt, n);
       }
     if (configured) _tile_release();
   }

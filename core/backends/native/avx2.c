@@ -4,8 +4,8 @@
  * weights use the sign trick (|w| times a with w's sign), as q4gemm.c's 8-bit section says. */
 #include "common.h"
 
-typedef void (*tile_fn)(const uint8_t *, const uint16_t *, const uint16_t *, int64_t, const int8_t *, const float *,
-                        const float *, int64_t, const float *, uint16_t *, int64_t);
+typedef void (*tile_fn)(const uint8_t *, q4_steps, int64_t, const int8_t *, const float *, const float *, int64_t,
+                        const float *, uint16_t *, int64_t);
 
 
 
@@ -57,7 +57,7 @@ T256 void q4_quantize256(const uint16_t *x, int64_t k, int8_t *p, float *e, floa
  * A group's products are summed in int16: each of its 8 `vpmaddubsw` pairs is at most
  * 2·15·127 = 3810 in size, so their sum stays below 32767; then one `vpmaddwd` to int32. */
 #define TILE256(R, NAME, TARGET, ADD, FINISH)                                                                       \
-  TARGET static void NAME##_##R(const uint8_t *w, const uint16_t *d, const uint16_t *m, int64_t groups,             \
+  TARGET static void NAME##_##R(const uint8_t *w, q4_steps st, int64_t groups,                                      \
                                const int8_t *p, const float *e, const float *s, int64_t k, const float *bias,       \
                                uint16_t *y, int64_t ldy) {                                                          \
     const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1); /* ones: AVX2's FINISH */               \
@@ -67,10 +67,7 @@ T256 void q4_quantize256(const uint16_t *x, int64_t k, int8_t *p, float *e, floa
     for (int64_t g = 0; g < groups; g++) {                                                                           \
       const uint8_t *wg = w + g * TILE_BYTES;                                                                        \
       for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(wg + PF_TILE * TILE_BYTES + 64 * l), _MM_HINT_T0);     \
-      if ((g + PF_TILE) % 2 == 0) {                                                                                  \
-        _mm_prefetch((const char *)(d + (g + PF_TILE) * TILE), _MM_HINT_T0);                                         \
-        if (m) _mm_prefetch((const char *)(m + (g + PF_TILE) * TILE), _MM_HINT_T0);                                  \
-      }                                                                                                              \
+      if ((g + PF_TILE) % 2 == 0) prefetch_steps(st, groups, 0, g + PF_TILE);                                      \
       __m256i sum[R][2];                                                                                             \
       for (int r = 0; r < R; r++) sum[r][0] = sum[r][1] = _mm256_setzero_si256();                                  \
       for (int h = 0; h < 4; h++) {                                                                                  \
@@ -89,9 +86,7 @@ T256 void q4_quantize256(const uint16_t *x, int64_t k, int8_t *p, float *e, floa
         }                                                                                                            \
       }                                                                                                              \
       for (int half = 0; half < 2; half++) {                                                                         \
-        __m256 dg = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(d + g * TILE + 8 * half)));                     \
-        __m256 mg = m ? _mm256_cvtph_ps(_mm_loadu_si128((const void *)(m + g * TILE + 8 * half)))                  \
-                      : _mm256_mul_ps(dg, _mm256_set1_ps(-8.0f)); /* a symmetric weight's (q4_layer) */            \
+        __m256 dg = STEPS256(st, groups, 0, g, half), mg = MINIMUMS256(st, dg, groups, 0, g, half);                 \
         for (int r = 0; r < R; r++) {                                                                                \
           int64_t eg = r * (k / GROUP) + g;                                                                          \
           __m256 dot = _mm256_cvtepi32_ps(FINISH(sum[r][half]));                                                     \
@@ -209,7 +204,7 @@ void q4_avx2_run(const q4_layer *layer, int threads, int64_t rows, const int8_t 
                  uint16_t *y) {
   int64_t n = layer->n, k = layer->k, groups = k / GROUP, tiles = n / TILE;
   const uint8_t *w = layer->w;
-  const uint16_t *d = layer->d, *m = layer->m;
+  const uint16_t *d = layer->d;
   const float *bias = layer->bias;
   int eight = layer->bits == 8;
   const int64_t stride = groups * (eight ? TILE_BYTES8 : TILE_BYTES); /* a tile's weight bytes */
@@ -223,7 +218,7 @@ void q4_avx2_run(const q4_layer *layer, int threads, int64_t rows, const int8_t 
         tiles256_8[avx_vnni][count](w + t * stride, d + at, groups, p + r0 * k, e + r0 * groups, k, bt,
                                     y + r0 * n + t * TILE, n);
       else
-        tiles256[avx_vnni][count](w + t * stride, d + at, m ? m + at : 0, groups, p + r0 * k, e + r0 * groups, s + r0 * groups, k,
-                                  bt, y + r0 * n + t * TILE, n);
+        tiles256[avx_vnni][count](w + t * stride, tile_steps(layer, t), groups, p + r0 * k, e + r0 * groups,
+                                  s + r0 * groups, k, bt, y + r0 * n + t * TILE, n);
     }
 }

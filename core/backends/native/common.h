@@ -150,20 +150,68 @@ T256 static inline float sums256(int64_t padded, const float *s) {
   return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
-/* One packed weight (core/q4.py's Layer). */
+/* One packed weight (core/q4.py's Layer). A 4-bit weight's steps and minimums: float16 per tile,
+ * group and output (d[(t·G + g)·16 + j]), or in GGUF Q4_K's form (k6 not NULL): a byte multiplier
+ * of the step and one of the minimum per tile, group and output (k6[(t·G + g)·32 + j], + 16 for
+ * the minimum's), times a float16 step and minimum per tile, block of 8 groups and output
+ * (d[(t·G/8 + g/8)·16 + j]): Q4_K's 6-bit scales and its d and −dmin, as the file holds them. */
 typedef struct {
   int64_t n, k, bits; /* bits: 4 or 8 */
   const uint8_t *w;
   const uint16_t *d, *m; /* float16; m NULL: a symmetric weight (GGUF Q4_0's), whose minimums are −8·d */
   const float *bias;     /* or NULL */
   int64_t amx;           /* calls of this many rows or more take AMX (0: none; set only where q4_amx granted it) */
+  const uint8_t *k6;     /* or NULL (see above) */
 } q4_layer;
 
-/* A group's 16 minimums: as stored, or −8·d where the weight keeps none (m NULL: −8·d is what a
- * float16 minimum −8·d would hold exactly, so the bits are the same either way). */
-#define MINIMUMS512(m, dg, at)                                                                                       \
-  ((m) ? _mm512_cvtph_ps(_mm256_loadu_si256((const void *)((m) + (at))))                                             \
-       : _mm512_mul_ps((dg), _mm512_set1_ps(-8.0f)))
+/* One tile's steps and minimums (from `tile_steps`): the kernels read those of tile t from there on. */
+typedef struct {
+  const uint16_t *d, *m;
+  const uint8_t *k6;
+} q4_steps;
+static inline q4_steps tile_steps(const q4_layer *layer, int64_t t) {
+  int64_t groups = layer->k / GROUP, held = layer->k6 ? groups / 8 : groups; /* float16 steps a tile and output */
+  q4_steps st = {layer->d + t * held * TILE, layer->m ? layer->m + t * held * TILE : 0,
+                 layer->k6 ? layer->k6 + t * groups * 2 * TILE : 0};
+  return st;
+}
+/* Where tile t's (from st's on) float16 step of group g lies, and its byte multipliers. */
+#define STEP_AT(st, groups, t, g) ((st).k6 ? ((t) * ((groups) / 8) + (g) / 8) * TILE : ((t) * (groups) + (g)) * TILE)
+#define K6_AT(st, groups, t, g) ((st).k6 + ((t) * (groups) + (g)) * 2 * TILE)
+#define BYTES512(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)(p))))
+#define BYTES256(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const void *)(p))))
+#define HALVES512(p) _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(p)))
+#define HALVES256(p) _mm256_cvtph_ps(_mm_loadu_si128((const void *)(p)))
+/* Group g's 16 steps (a byte multiplier × a float16 step is exact in float: 8 × 11 bits) and 16
+ * minimums: as held, or −8·d where the weight keeps none (m NULL: −8·d is what a float16 minimum
+ * −8·d would hold exactly, so the bits are the same either way). */
+#define STEPS512(st, groups, t, g)                                                                                   \
+  ((st).k6 ? _mm512_mul_ps(BYTES512(K6_AT(st, groups, t, g)), HALVES512((st).d + STEP_AT(st, groups, t, g)))       \
+           : HALVES512((st).d + STEP_AT(st, groups, t, g)))
+#define MINIMUMS512(st, dg, groups, t, g)                                                                            \
+  ((st).k6  ? _mm512_mul_ps(BYTES512(K6_AT(st, groups, t, g) + TILE), HALVES512((st).m + STEP_AT(st, groups, t, g))) \
+   : (st).m ? HALVES512((st).m + STEP_AT(st, groups, t, g))                                                          \
+            : _mm512_mul_ps((dg), _mm512_set1_ps(-8.0f)))
+/* The same for the 8 outputs of half h of a tile (AVX2). */
+#define STEPS256(st, groups, t, g, h)                                                                                \
+  ((st).k6 ? _mm256_mul_ps(BYTES256(K6_AT(st, groups, t, g) + 8 * (h)),                                             \
+                           HALVES256((st).d + STEP_AT(st, groups, t, g) + 8 * (h)))                                  \
+           : HALVES256((st).d + STEP_AT(st, groups, t, g) + 8 * (h)))
+#define MINIMUMS256(st, dg, groups, t, g, h)                                                                         \
+  ((st).k6  ? _mm256_mul_ps(BYTES256(K6_AT(st, groups, t, g) + TILE + 8 * (h)),                                     \
+                            HALVES256((st).m + STEP_AT(st, groups, t, g) + 8 * (h)))                                 \
+   : (st).m ? HALVES256((st).m + STEP_AT(st, groups, t, g) + 8 * (h))                                                \
+            : _mm256_mul_ps((dg), _mm256_set1_ps(-8.0f)))
+/* Prefetch group g's steps and minimums (g even: a 64-byte line holds two groups' float16 steps,
+ * or two groups' multipliers and eight groups' float16 steps in Q4_K's form). */
+static inline void prefetch_steps(q4_steps st, int64_t groups, int64_t t, int64_t g) {
+  if (st.k6) {
+    _mm_prefetch((const char *)K6_AT(st, groups, t, g), _MM_HINT_T0);
+    if (g % 16) return;
+  }
+  _mm_prefetch((const char *)(st.d + STEP_AT(st, groups, t, g)), _MM_HINT_T0);
+  if (st.m) _mm_prefetch((const char *)(st.m + STEP_AT(st, groups, t, g)), _MM_HINT_T0);
+}
 
 int q4_run(const q4_layer *layer, int isa, int threads, int64_t rows, const uint16_t *x, int64_t ldx, uint16_t *y);
 

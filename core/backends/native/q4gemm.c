@@ -33,7 +33,7 @@
 #define PF_ROWS 12 /* a one-to-four-row pass (reg512) */
 #define PF8 6      /* an 8-bit pass (pair512_8) */
 
-int q4_version(void) { return 25; }
+int q4_version(void) { return 26; }
 
 /* bf16 weights (N×K, N % 16 == 0, K % 32 == 0) → the kernel's layout in one pass, as core/q4.py's
  * quantize (4 bits: step = (max − min)/15 and q = round((w − min)/step) per group, d and m float16
@@ -139,7 +139,7 @@ T512 static void quantize_512(const uint16_t *x, int64_t k, int8_t *p, float *e,
  * are unpacked into registers once and used for every row; the rows' float sums wait in `acc`
  * (rows × 32 floats, in L1). */
 #define PAIR512(TILES)                                                                                               \
-  T512 static void pair512_##TILES(const uint8_t *w, const uint16_t *d, const uint16_t *m, int64_t groups,        \
+  T512 static void pair512_##TILES(const uint8_t *w, q4_steps st, int64_t groups,                                 \
                                    const int8_t *p, const float *e, const float *s, int64_t k, int64_t rows,      \
                                    const float *bias, uint16_t *y, int64_t ldy, float *acc) {                     \
     const __m512i low = _mm512_set1_epi8(15);                                                                       \
@@ -151,17 +151,14 @@ T512 static void quantize_512(const uint16_t *x, int64_t k, int8_t *p, float *e,
       for (int t = 0; t < TILES; t++) {                                                                              \
         const uint8_t *wg = w + t * stride + g * TILE_BYTES;                                                        \
         for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(wg + PF * TILE_BYTES + 64 * l), _MM_HINT_T0);        \
-        if ((g + PF) % 2 == 0) {                                                                                     \
-          _mm_prefetch((const char *)(d + t * groups * TILE + (g + PF) * TILE), _MM_HINT_T0);                        \
-          if (m) _mm_prefetch((const char *)(m + t * groups * TILE + (g + PF) * TILE), _MM_HINT_T0);                 \
-        }                                                                                                            \
+        if ((g + PF) % 2 == 0) prefetch_steps(st, groups, t, g + PF);                                               \
         for (int h = 0; h < 4; h++) {                                                                                \
           __m512i v = _mm512_loadu_si512((const void *)(wg + 64 * h));                                               \
           b[t][2 * h] = _mm512_and_si512(v, low);                                                                    \
           b[t][2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);                                         \
         }                                                                                                            \
-        dg[t] = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(d + t * groups * TILE + g * TILE)));               \
-        mg[t] = MINIMUMS512(m, dg[t], t * groups * TILE + g * TILE);                                                 \
+        dg[t] = STEPS512(st, groups, t, g);                                                                          \
+        mg[t] = MINIMUMS512(st, dg[t], groups, t, g);                                                                \
       }                                                                                                              \
       for (int64_t r = 0; r < rows; r++) {                                                                           \
         const int8_t *pr = p + r * k + g * GROUP;                                                                    \
@@ -194,7 +191,7 @@ PAIR512(2)
 
 /* The same for a pair of tiles and R ≤ 4 rows, with the sums in registers. */
 #define REG512(R)                                                                                                    \
-  T512 static void reg512_##R(const uint8_t *w, const uint16_t *d, const uint16_t *m, int64_t groups,             \
+  T512 static void reg512_##R(const uint8_t *w, q4_steps st, int64_t groups,                                      \
                               const int8_t *p, const float *e, const float *s, int64_t k, const float *bias,       \
                               uint16_t *y, int64_t ldy) {                                                          \
     const __m512i low = _mm512_set1_epi8(15);                                                                       \
@@ -208,10 +205,7 @@ PAIR512(2)
         _mm_prefetch((const char *)(w + stride + (g + PF_ROWS) * TILE_BYTES + 64 * l), _MM_HINT_T0);                 \
       }                                                                                                              \
       if ((g + PF_ROWS) % 2 == 0)                                                                                    \
-        for (int t = 0; t < 2; t++) {                                                                                \
-          _mm_prefetch((const char *)(d + t * groups * TILE + (g + PF_ROWS) * TILE), _MM_HINT_T0);                   \
-          if (m) _mm_prefetch((const char *)(m + t * groups * TILE + (g + PF_ROWS) * TILE), _MM_HINT_T0);            \
-        }                                                                                                            \
+        for (int t = 0; t < 2; t++) prefetch_steps(st, groups, t, g + PF_ROWS);                                     \
       for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();                                  \
       _Pragma("GCC unroll 4") for (int h = 0; h < 4; h++) {                                                         \
         __m512i v0 = _mm512_loadu_si512((const void *)(w + g * TILE_BYTES + 64 * h));                                \
@@ -228,8 +222,8 @@ PAIR512(2)
         }                                                                                                            \
       }                                                                                                              \
       for (int t = 0; t < 2; t++) {                                                                                  \
-        __m512 dg = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(d + t * groups * TILE + g * TILE)));           \
-        __m512 mg = MINIMUMS512(m, dg, t * groups * TILE + g * TILE);                                                \
+        __m512 dg = STEPS512(st, groups, t, g);                                                                      \
+        __m512 mg = MINIMUMS512(st, dg, groups, t, g);                                                               \
         for (int r = 0; r < R; r++) {                                                                                \
           __m512 es = _mm512_set1_ps(e[r * groups + g]), ss = _mm512_set1_ps(s[r * groups + g]);                    \
           acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][t]), _mm512_mul_ps(dg, es), acc[r][t]);              \
@@ -248,8 +242,8 @@ REG512(2)
 REG512(3)
 REG512(4)
 
-typedef void (*reg_fn)(const uint8_t *, const uint16_t *, const uint16_t *, int64_t, const int8_t *, const float *,
-                       const float *, int64_t, const float *, uint16_t *, int64_t);
+typedef void (*reg_fn)(const uint8_t *, q4_steps, int64_t, const int8_t *, const float *, const float *, int64_t,
+                       const float *, uint16_t *, int64_t);
 static const reg_fn regs512[5] = {0, reg512_1, reg512_2, reg512_3, reg512_4};
 
 /* ---------------------------------------------------------------- 8-bit weights
@@ -313,7 +307,7 @@ PAIR512_8(2)
 int q4_run(const q4_layer *layer, int isa, int threads, int64_t rows, const uint16_t *x, int64_t ldx, uint16_t *y) {
   int64_t n = layer->n, k = layer->k, groups = k / GROUP, tiles = n / TILE;
   const uint8_t *w = layer->w;
-  const uint16_t *d = layer->d, *m = layer->m;
+  const uint16_t *d = layer->d;
   const float *bias = layer->bias;
   int amx = isa == 2 && layer->amx > 0 && rows >= layer->amx;
   int64_t padded = amx ? (rows + 15) / 16 * 16 : rows; /* AMX reads whole tiles of rows: the rest zeros */
@@ -362,10 +356,10 @@ int q4_run(const q4_layer *layer, int isa, int threads, int64_t rows, const uint
           (two ? pair512_8_2 : pair512_8_1)(wt, d + at, sum + r0 * groups, groups, p + r0 * k, e + r0 * groups,
                                             k, count, bt, yt, n, acc);
         else if (two && count <= 4)
-          regs512[count](wt, d + at, m ? m + at : 0, groups, p + r0 * k, e + r0 * groups, s + r0 * groups, k, bt, yt, n);
+          regs512[count](wt, tile_steps(layer, t), groups, p + r0 * k, e + r0 * groups, s + r0 * groups, k, bt, yt, n);
         else
-          (two ? pair512_2 : pair512_1)(wt, d + at, m ? m + at : 0, groups, p + r0 * k, e + r0 * groups, s + r0 * groups, k,
-                                        count, bt, yt, n, acc);
+          (two ? pair512_2 : pair512_1)(wt, tile_steps(layer, t), groups, p + r0 * k, e + r0 * groups, s + r0 * groups,
+                                        k, count, bt, yt, n, acc);
       }
   } else {
     q4_avx2_run(layer, threads, rows, p, e, s, y);
