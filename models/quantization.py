@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from core.backends import lean, q4
+from core.backends import lean, quantize
 from core.errors import UserError
 from models import light
 from models.choices import QUANTIZATIONS
@@ -68,12 +68,15 @@ def estimate_gb(config: object, dtype: torch.dtype, quantization: str, head_kern
     a tied 8-bit one is the embedding too)."""
     meta = light.on_meta(config)
     output = meta.get_output_embeddings()
-    linear = sum(m.weight.numel() for m in meta.modules() if isinstance(m, torch.nn.Linear) and m is not output)
+    linears = [m for m in meta.modules() if isinstance(m, torch.nn.Linear) and m is not output]
+    linear = sum(m.weight.numel() for m in linears)
     total = sum(p.numel() for p in meta.parameters())
     full = torch.finfo(dtype).bits / 8
-    width = {"nf4": 0.53, "int8": 1.0, "int4": q4.bytes_per_weight(4)}.get(quantization, full)
+    width = {"nf4": 0.53, "int8": 1.0}.get(quantization, full)
+    if quantization == "int4":  # the library's layout, by the layers' widths
+        width = sum(m.weight.numel() * quantize.bytes_per_weight(4, m.in_features) for m in linears) / max(linear, 1)
     # the lm_head's packed copy, kept beside its weight (the embedding, or what Medusa heads read); "dense": none
-    copy_width = {"q8": q4.bytes_per_weight(8), "onednn": full}.get(head_kernel, 0.0)
+    copy_width = {"q8": quantize.bytes_per_weight(8), "onednn": full}.get(head_kernel, 0.0)
     copy = output.weight.numel() * copy_width if output is not None else 0.0
     if copy and head_kernel == "q8" and getattr(config.get_text_config(), "tie_word_embeddings", False):
         copy -= output.weight.numel() * full  # one packed table, the embedding's too (`lean.share_vocabulary`)

@@ -441,9 +441,37 @@ def test_q4_k_form_multiplies_as_its_steps_per_group(variant):
     compact.put_blocks(16, q[16:32], step[16:32].half(), low[16:32].half())  # per group: the form changes
     assert not compact.k6.numel() and torch.equal(compact(x[:5]), groups(x[:5]))
     late = q4.Packed.empty(loaded(), n, k, bits=4, variant=variant)  # Q4_K's blocks into a weight held per group
-    late.put(0, torch.randn(16, k, generator=gen))
+    late.put_blocks(0, q[:16], step[:16].half(), low[:16].half())
     late.put_blocks(0, q, d, -dmin, multipliers)
     assert not late.k6.numel() and torch.equal(late(x[:5]), groups(x[:5]))
+
+
+def test_weights_quantized_in_q4_k_form_keep_every_value_within_half_a_step():
+    """A 4-bit weight of K a multiple of 256 is quantized in Q4_K's form (0.578 bytes a weight):
+    each group's step and minimum are multiples of its block's float16 units, rounded so that its
+    range fits its 16 levels: every weight lies within half its group's step of its value (none
+    clamped), and the products stay as close to the exact ones as the per-group form's."""
+    gen = torch.Generator().manual_seed(15)
+    weight = (torch.randn(64, 768, generator=gen) * 0.05).to(torch.bfloat16)
+    weight[5, 256:288] = weight[5, 256:288].abs() + 0.3  # a group above 0: its minimum is 0
+    weight[9, :256] = 0  # a block of zeros
+    x = torch.randn(4, 768, generator=gen).to(torch.bfloat16)
+    exact = x.float() @ weight.float().T
+    errors = []
+    for form in ("k", None):
+        packed = q4.Packed.empty(loaded(), 64, 768, bits=4)
+        packed.blank = form == "k"  # a weight held per group keeps that form
+        packed.put(0, weight)
+        packed.set_bias(None)
+        assert bool(packed.k6.numel()) == (form == "k")
+        step, low = (t.transpose(1, 2).reshape(64, -1, 1) for t in packed.groups())  # (row, group, 1)
+        nibbles = packed.w.view(-1, 24, 4, q4.TILE, 4)
+        q = torch.stack([nibbles & 15, nibbles >> 4], dim=-1).permute(0, 3, 1, 2, 5, 4).reshape(64, 24, 32)
+        values = q.float() * step + low
+        off = (values - weight.float().view(64, 24, 32)).abs()
+        assert form is None or (off <= step * 0.5001 + 1e-7).all()  # (float16 steps per group may clamp)
+        errors.append(float((packed(x).float() - exact).pow(2).mean().sqrt()))
+    assert errors[0] < 1.1 * errors[1]
 
 
 def amx_loaded():

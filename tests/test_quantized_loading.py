@@ -132,9 +132,9 @@ def test_the_stock_peer_of_a_cpu_model_is_one_full_copy_per_dtype(tiny):
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_memory_printed_before_an_int4_load_is_what_the_packed_model_holds(tied):
     """The estimate against the bytes of every tensor the lean backend keeps: the int4 layout's
-    4 bits and a float16 step and minimum per 32 inputs, the embedding and norms in bf16, and the
-    lm_head's packed 8-bit copy beside the weight it keeps, or (tied) as the embedding's table too
-    (0.56 bytes a weight and no copy: 20-29 % under at this shape)."""
+    4 bits and a float16 step and minimum per 32 inputs (in Q4_K's form where 256 divide them), the
+    embedding and norms in bf16, and the lm_head's packed 8-bit copy beside the weight it keeps, or
+    (tied) as the embedding's table too (0.56 bytes a weight and no copy: 20-29 % under at this shape)."""
     from transformers import LlamaConfig
 
     from core.backends import lean, q4
@@ -151,7 +151,7 @@ def test_the_memory_printed_before_an_int4_load_is_what_the_packed_model_holds(t
     seen, held = set(), 0
     for module in model.modules():
         packed = getattr(module, "packed", None)
-        tensors = [packed.w, packed.d, packed.m] if isinstance(packed, q4.Packed) else []
+        tensors = [packed.w, packed.d, packed.m, packed.k6] if isinstance(packed, q4.Packed) else []
         tensors += [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
         for t in tensors:
             if t.untyped_storage().data_ptr() not in seen:

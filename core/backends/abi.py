@@ -14,7 +14,7 @@ def load(path: Path, version: int) -> ctypes.CDLL:
     if lib.q4_version() != version:
         raise OSError(f"it is version {lib.q4_version()}, not {version}")
     lib.q4_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-    lib.q4_quantize.argtypes += [ctypes.c_void_p] * 3
+    lib.q4_quantize.argtypes += [ctypes.c_void_p] * 4
     lib.q4_quantize.restype = None
     lib.q4_run.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p]
     lib.q4_run.argtypes += [ctypes.c_int64, ctypes.c_void_p]

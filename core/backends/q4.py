@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from core.backends import abi
-from core.backends.quantize import GROUP, reference
+from core.backends.quantize import GROUP, on_grid, reference
 
 NATIVE = Path(__file__).parent / "native"
 _FILES = ("q4gemm", "avx2", "amx", "attend", "attend_amx", "attend_amx8", "attend_dot", "step", "decode")
@@ -250,12 +250,6 @@ def fits(out_features: int, in_features: int) -> bool:
     return out_features % TILE == 0 and in_features % GROUP == 0
 
 
-def bytes_per_weight(bits: int) -> float:
-    """Memory of one weight in `Packed`'s layout: 4 bits and a float16 step and minimum per group,
-    or 8 bits and a float16 step per group (GGUF Q8_0's size)."""
-    return 0.5 + 4 / GROUP if bits == 4 else 1 + 2 / GROUP
-
-
 class Packed:
     """One weight in the kernel's layout (4 bits: GGUF Q4_1's form; 8 bits: Q8_0's), with the C
     descriptor that points at it. `variant`: the kernel variant that will run it."""
@@ -286,16 +280,19 @@ class Packed:
 
     def put(self, start: int, weight: Tensor) -> None:
         """Quantize `weight` into rows [start, start + its rows) (start a multiple of TILE): laid out
-        in C, in one pass on every core, as `core.backends.quantize` computes it. A row's bytes do
-        not depend on the others', so a weight put in parts is the weight put whole."""
+        in C, in one pass on every core, as `core.backends.quantize` computes it (4 bits and K a
+        multiple of 256: in Q4_K's form, `q4gemm.c`'s quantize_k_row, unless the weight holds rows
+        per group or its values lie on a grid per group already: `quantize.on_grid`). A row's bytes do not
+        depend on the others', so a weight put in parts is the weight put whole."""
         rows, k = weight.shape
         if start % TILE or rows % TILE or k != self.k or start + rows > self.n:
             raise ValueError(f"rows {start}-{start + rows} of width {k} do not fit a packed {self.n}×{self.k} weight")
         source = weight.detach().to(torch.bfloat16).contiguous()
-        self._unsettle(form=None)
-        scales = start * k // GROUP  # the tile-major layout: rows [start, …) begin here
-        w, d, m = self.w[scales * GROUP * self.bits // 8 :], self.d[scales:], self.m[scales:]
-        self.lib.q4_quantize(source.data_ptr(), rows, k, self.bits, w.data_ptr(), d.data_ptr(), m.data_ptr())
+        self._unsettle(form="k" if self.bits == 4 and k % 256 == 0 and not on_grid(source[:TILE]) else None)
+        held = start * k // (256 if self.k6.numel() else GROUP)  # the tile-major layout: rows [start, …) begin here
+        w, d, m, k6 = self.w[start * k * self.bits // 8 :], self.d[held:], self.m[held:], self.k6[start * k // 16 :]
+        pointers = (t.data_ptr() if t.numel() else None for t in (w, d, m, k6))
+        self.lib.q4_quantize(source.data_ptr(), rows, k, self.bits, *pointers)
 
     def put_blocks(
         self, start: int, q: Tensor, step: Tensor, low: Tensor | None = None, multipliers: Tensor | None = None

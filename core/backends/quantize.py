@@ -52,3 +52,19 @@ def reference(x: Tensor, weight: Tensor, bias: Tensor | None = None, bits: int =
     sums = p.sum(-1) * scale.squeeze(-1)  # the quantized activations' sum: the minimum's term stays consistent
     y = (dots * step[None] * scale.transpose(1, 2)).sum(-1) + (sums[:, None, :] * low[None]).sum(-1)
     return y if bias is None else y + bias
+
+
+def bytes_per_weight(bits: int, k: int = GROUP) -> float:
+    """Memory of one weight of a K-wide `Packed` put from floats: 4 bits and a float16 step and
+    minimum per group, or in Q4_K's form where K is a multiple of 256 (a byte multiplier of each
+    per group, a float16 unit of each per 256); 8 bits and a float16 step per group (Q8_0's size)."""
+    if bits == 8:
+        return 1 + 2 / GROUP
+    return 0.5 + (2 / GROUP + 4 / 256 if k % 256 == 0 else 4 / GROUP)
+
+
+def on_grid(rows: Tensor) -> bool:
+    """Whether each group of 32 of these rows holds at most 16 values (a 4-bit weight's, as a Q4_1
+    file's converted): quantized per group they are kept exactly, in Q4_K's form they would move."""
+    values = rows.float().view(-1, GROUP).sort(dim=1).values
+    return bool(((values.diff(dim=1) != 0).sum(dim=1) < 16).all())

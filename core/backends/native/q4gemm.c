@@ -35,14 +35,74 @@
 
 int q4_version(void) { return 26; }
 
+static inline void pack_group(const uint8_t *v, int64_t j, uint8_t *o);
+
+/* A float16 a 256-weight block's 8 steps (or minimums' magnitudes) are whole multiples of: the
+ * largest / 255 rounded up (so none needs a multiplier over 255), and each one's multiplier,
+ * rounded up (so a group's range still fits 15 steps), exact as the kernels multiply them. */
+__attribute__((target("f16c"))) static uint16_t block_unit(const float *x, uint8_t *times) {
+  float top = 0.0f;
+  for (int g = 0; g < 8; g++) top = x[g] > top ? x[g] : top;
+  uint16_t h = _cvtss_sh(top / 255.0f, 2); /* rounded toward +inf */
+  float unit = _cvtsh_ss(h);
+  for (int g = 0; g < 8; g++) {
+    float c = unit > 0.0f ? ceilf(x[g] / unit) : 0.0f;
+    if (c * unit < x[g]) c += 1.0f;
+    times[g] = (uint8_t)(c > 255.0f ? 255.0f : c);
+  }
+  return h;
+}
+
+/* One row in Q4_K's form (q4_layer): per group the minimum min(w_min, 0) and the step (max −
+ * minimum)/15, each as a byte multiple of its block's unit (block_unit), then q = round((w −
+ * minimum)/step) in [0, 15] with the step and minimum the kernels will use. */
+__attribute__((target("f16c"))) static void quantize_k_row(const uint16_t *w, int64_t row, int64_t k, uint8_t *out,
+                                                           uint16_t *d, uint16_t *m, uint8_t *k6) {
+  int64_t groups = k / GROUP, t = row / TILE, j = row % TILE;
+  for (int64_t b = 0; b < groups / 8; b++) {
+    float v[8][GROUP], low[8], high[8], step[8];
+    uint8_t sc[8], mn[8];
+    for (int g = 0; g < 8; g++) {
+      low[g] = 0.0f, high[g] = -INFINITY;
+      for (int i = 0; i < GROUP; i++) {
+        v[g][i] = bf16_to_float(w[row * k + (8 * b + g) * GROUP + i]);
+        low[g] = v[g][i] < low[g] ? v[g][i] : low[g];
+        high[g] = v[g][i] > high[g] ? v[g][i] : high[g];
+      }
+      low[g] = -low[g]; /* its magnitude */
+    }
+    uint16_t lh = block_unit(low, mn);
+    for (int g = 0; g < 8; g++) step[g] = (high[g] + _cvtsh_ss(lh) * mn[g]) / 15.0f;
+    uint16_t dh = block_unit(step, sc);
+    for (int g = 0; g < 8; g++) {
+      int64_t at = (t * groups + 8 * b + g) * 2 * TILE + j;
+      float unit = _cvtsh_ss(dh) * sc[g], least = -(_cvtsh_ss(lh) * mn[g]);
+      uint8_t q[GROUP];
+      for (int i = 0; i < GROUP; i++) {
+        float a = unit > 0.0f ? nearbyintf((v[g][i] - least) / unit) : 0.0f;
+        q[i] = (uint8_t)(a < 0 ? 0 : a > 15 ? 15 : a);
+      }
+      pack_group(q, j, out + (t * groups + 8 * b + g) * TILE_BYTES);
+      k6[at] = sc[g], k6[at + TILE] = mn[g];
+    }
+    d[(t * (groups / 8) + b) * TILE + j] = dh;
+    m[(t * (groups / 8) + b) * TILE + j] = lh ^ 0x8000; /* −: the minimums are subtracted */
+  }
+}
+
 /* bf16 weights (N×K, N % 16 == 0, K % 32 == 0) → the kernel's layout in one pass, as core/q4.py's
  * quantize (4 bits: step = (max − min)/15 and q = round((w − min)/step) per group, d and m float16
- * step and min) or quantize8 (8 bits: step = max|w|/127, q = round(w/step); no m). */
+ * step and min) or quantize8 (8 bits: step = max|w|/127, q = round(w/step); no m); 4 bits with k6
+ * (K % 256 == 0): in Q4_K's form (quantize_k_row). */
 __attribute__((target("f16c"))) void q4_quantize(const uint16_t *w, int64_t n, int64_t k, int bits, uint8_t *out,
-                                                 uint16_t *d, uint16_t *m) {
+                                                 uint16_t *d, uint16_t *m, uint8_t *k6) {
   int64_t groups = k / GROUP;
 #pragma omp parallel for schedule(static)
   for (int64_t row = 0; row < n; row++) {
+    if (bits == 4 && k6) {
+      quantize_k_row(w, row, k, out, d, m, k6);
+      continue;
+    }
     int64_t t = row / TILE, j = row % TILE;
     for (int64_t g = 0; g < groups; g++) {
       float v[GROUP], low = INFINITY, high = -INFINITY, top = 0.0f;
