@@ -251,8 +251,8 @@ def fits(out_features: int, in_features: int) -> bool:
 
 
 class Packed:
-    """One weight in the kernel's layout (4 bits: GGUF Q4_1's form; 8 bits: Q8_0's), with the C
-    descriptor that points at it. `variant`: the kernel variant that will run it."""
+    """One weight in the kernel's layout (4 bits: GGUF Q4_1's form, or Q4_K's; 8 bits: Q8_0's), with
+    the C descriptor that points at it. `variant`: the kernel variant that will run it."""
 
     def __init__(
         self, lib: ctypes.CDLL, weight: Tensor, bias: Tensor | None, bits: int = 4, variant: str | None = None
@@ -300,8 +300,8 @@ class Packed:
         """Rows [start, start + len(q)) from blocks taken as they are: 8 bits, (rows, K) int8 q, (rows, K/32)
         float16 steps (GGUF Q8_0's); 4 bits, uint8 q in [0, 15] (or `models.gguf_blocks.Nibbles`), float16
         steps and minimums per group (Q4_0/1's), or (`multipliers`, Q4_K's: w = d·sc·q − dmin·mn) its float16
-        d and −dmin per 256 weights and (rows, K/32, 2) uint8 sc and mn per group, held so where the weight
-        is put in that form alone."""
+        d and −dmin per 256 weights and (rows, K/32, 2) uint8 sc and mn per group, held so unless the weight
+        holds rows per group already (then these are too)."""
         (rows, k), bits = q.shape, 8 if low is None else 4
         fits = (bits, q.dtype) == (self.bits, torch.int8 if bits == 8 else torch.uint8) and k == self.k
         if not fits or start % TILE or rows % TILE or start + rows > self.n or (multipliers is not None and k % 256):
