@@ -47,6 +47,17 @@ FAST_KERNELS = tuple(k for k in ("dense", "onednn") if fast.kernel_works(k, torc
 ARCHS = (*BASE_ARCHS, *(f"{a}+{k}" for a in BASE_ARCHS for k in FAST_KERNELS))
 
 
+def unpacked(packed: q4.Packed) -> Tensor:
+    """A 4-bit `q4.Packed` weight's values (N, K) as the kernel multiplies them: step·q + minimum."""
+    n, k = packed.n, packed.k
+    groups = k // 32
+    nibbles = packed.w.view(-1, groups, 4, q4.TILE, 4)  # (tile, group, h, j, i)
+    q = torch.stack([nibbles & 15, nibbles >> 4], dim=-1)  # (tile, group, h, j, i, half)
+    q = q.permute(0, 3, 1, 2, 5, 4).reshape(n, groups, 32).float()  # (tile, j, group, h, half, i)
+    step, low = (x.transpose(1, 2).reshape(n, groups, 1) for x in packed.groups())
+    return (q * step + low).view(n, k)
+
+
 def tiny_backend(arch: str = "llama", vocab: int = 96, seed: int = 0) -> Backend:
     """A random model of `arch` behind its backend: transformers' (`TorchBackend`); "llama+onednn"
     and the like: the lean backend `core.backends.lean.accelerate` returns for that kernel ("+int4"

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from models import direct
 from tests.gguf_writer import random_config, write_gguf
-from tests.helpers import require_kernel
+from tests.helpers import require_kernel, unpacked
 
 PROMPT = "The cat sat on the mat, and then"
 # a tiny Llama whose inputs are a multiple of 256, so the K types fit (they quantize 256 at a time)
@@ -162,19 +162,6 @@ def in_4bit_layer(model, tensor: torch.Tensor) -> bool:
     """Whether `tensor` is a 4-bit library layer's packed weight, steps or minimums."""
     held = (m.packed for m in model.modules() if getattr(m, "kernel", None) == "q4")
     return any(tensor is t for p in held for t in (p.w, p.d, p.m, p.k6))
-
-
-def unpacked(packed) -> torch.Tensor:
-    """A 4-bit `q4.Packed` weight's values (N, K) as the kernel multiplies them: step·q + minimum."""
-    from core.backends import q4
-
-    n, k = packed.n, packed.k
-    groups = k // 32
-    nibbles = packed.w.view(-1, groups, 4, q4.TILE, 4)  # (tile, group, h, j, i)
-    q = torch.stack([nibbles & 15, nibbles >> 4], dim=-1)  # (tile, group, h, j, i, half)
-    q = q.permute(0, 3, 1, 2, 5, 4).reshape(n, groups, 32).float()  # (tile, j, group, h, half, i)
-    step, low = (x.transpose(1, 2).reshape(n, groups, 1) for x in packed.groups())
-    return (q * step + low).view(n, k)
 
 
 def parts_of(model, name: str, module) -> list[tuple[str, slice]]:

@@ -13,6 +13,7 @@ from core.backends import q4
 from core.backends import quantize as grid
 from models.gguf_blocks import Kind, Nibbles, decode
 from tests.gguf_writer import quantize
+from tests.helpers import unpacked
 
 
 def weights(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -73,11 +74,10 @@ def test_nibbles_laid_out_as_they_lie_equal_the_values_unpacked_first(kind):
     direct = q4.Packed.empty(q4.library(), 48, 512, bits=4)
     direct.put_blocks(32, *decode(Kind[kind], raw[32:], 4))
     direct.put_blocks(0, *decode(Kind[kind], raw[:32], 4))
-    unpacked = q4.Packed.empty(q4.library(), 48, 512, bits=4)
-    unpacked.put_blocks(0, q.unpacked(), *steps)
+    from_values = q4.Packed.empty(q4.library(), 48, 512, bits=4)
+    from_values.put_blocks(0, q.unpacked(), *steps)
     for name in ("w", "d", "m", "k6"):
-        assert torch.equal(getattr(direct, name), getattr(unpacked, name)), name
+        assert torch.equal(getattr(direct, name), getattr(from_values, name)), name
     assert bool(direct.k6.numel()) == (kind == "Q4_K")  # Q4_K's held in its own form
     exact = torch.from_numpy(gguf.quants.dequantize(raw, Kind[kind]).copy())
-    step, low = (x.transpose(1, 2).reshape(48, -1, 1) for x in direct.groups())  # (row, group, 1)
-    assert torch.equal(q.unpacked().float().view(48, -1, 32) * step + low, exact.view(48, -1, 32))
+    assert torch.equal(unpacked(direct), exact)

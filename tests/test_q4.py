@@ -11,7 +11,7 @@ import torch
 
 from core.backends import abi, q4, quantize, stepops
 from core.backends import lean as fast
-from tests.helpers import library_builds
+from tests.helpers import library_builds, unpacked
 
 
 @pytest.fixture
@@ -464,11 +464,8 @@ def test_weights_quantized_in_q4_k_form_keep_every_value_within_half_a_step():
         packed.put(0, weight)
         packed.set_bias(None)
         assert bool(packed.k6.numel()) == (form == "k")
-        step, low = (t.transpose(1, 2).reshape(64, -1, 1) for t in packed.groups())  # (row, group, 1)
-        nibbles = packed.w.view(-1, 24, 4, q4.TILE, 4)
-        q = torch.stack([nibbles & 15, nibbles >> 4], dim=-1).permute(0, 3, 1, 2, 5, 4).reshape(64, 24, 32)
-        values = q.float() * step + low
-        off = (values - weight.float().view(64, 24, 32)).abs()
+        step = packed.groups()[0].transpose(1, 2).reshape(64, -1, 1)  # (row, group, 1)
+        off = (unpacked(packed) - weight.float()).view(64, 24, 32).abs()
         assert form is None or (off <= step * 0.5001 + 1e-7).all()  # (float16 steps per group may clamp)
         errors.append(float((packed(x).float() - exact).pow(2).mean().sqrt()))
     assert errors[0] < 1.1 * errors[1]
