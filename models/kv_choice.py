@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from core.backends import stepops
 from core.measure import cpu_attention, kernels, kv_fidelity
 
 TOKENS = 512  # of the calibration prompts, read at once
@@ -22,7 +23,8 @@ def faithful(backend, config, tokenizer, folder: Path, record: Path, rebuild):
     forward = getattr(backend, "forward", None)
     if getattr(forward, "kv_bits", 16) != 8 or getattr(forward, "native", None) is None:
         return backend
-    key = kernels.record_key("kv8 divergence", str(folder))
+    # with the attention kernel the model runs: the dot-product ones round each query to int8 too
+    key = kernels.record_key("kv8 divergence", str(folder), f"{stepops.attention()} attention")
     positions = getattr(config, "max_position_embeddings", None) or TOKENS
     divergence = kernels.recall(record, key, float, lambda _: _measure(backend, _text(tokenizer, positions)))
     if divergence <= kv_fidelity.KV8_KL:

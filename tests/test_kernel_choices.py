@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -300,16 +301,18 @@ def test_the_attention_kernel_is_measured_on_this_machine(tmp_path):
 
 
 def test_the_kv_bits_are_remembered_and_turn_only_on_a_clear_gain(tmp_path, monkeypatch):
-    """8-bit keys and values where a one-token step gains `KV8_GAIN` and the one-row and 16-row
-    ratios added up favor them (timed with the vector kernel, whatever kernel was chosen); remembered
+    """8-bit keys and values where one row's and 16 rows' attention gain `KV8_GAIN` on average and a
+    one-token step loses nothing (timed with the vector kernel unless kernels are given); remembered
     (nothing timed at later launches); a measurement with another kernel library keeps the earlier
     choice near the threshold."""
     _library()
     monkeypatch.setitem(stepops._chosen, "attention", "amx")
     old_key = kernels._LIBRARY_ID.sub("|kernels 000000000000", kernels.record_key("kv bits 9x3x64", "vectors"))
     cases = (
-        ((1.3, 0.9), None, 8), ((1.05, 1.0), None, 16), ((1.15, 0.8), None, 16),  # measured afresh
-        ((1.12, 1.0), 16, 16), ((1.08, 1.0), 8, 8), ((1.25, 1.0), 16, 8), ((1.0, 1.0), 8, 16),  # an earlier choice
+        ((1.3, 1.0), None, 8), ((1.05, 1.0), None, 16), ((1.15, 0.8), None, 16),  # measured afresh
+        ((0.95, 1.5), None, 16),  # a one-token step would lose
+        ((1.12, 1.0), 16, 16), ((1.08, 1.0), 8, 8), ((1.3, 1.2), 16, 8), ((1.0, 1.0), 8, 16),  # an earlier choice
+        ((0.98, 1.3), 8, 16),
     )  # fmt: skip
     for ratios, earlier, want in cases:
         record = _record(tmp_path, {} if earlier is None else {old_key: earlier})
@@ -319,6 +322,36 @@ def test_the_kv_bits_are_remembered_and_turn_only_on_a_clear_gain(tmp_path, monk
         for _launch in range(4):
             assert cpu_attention.kv_bits(9, 3, 64, 30, record) == want
     assert cpu_attention.kv_bits(4, 4, 40, 30, tmp_path / "odd.json") == 16  # heads the attention kernel does not take
+
+
+def test_the_kv_bits_weigh_each_with_the_kernel_chosen_for_it(tmp_path, monkeypatch):
+    """bf16 and 8-bit keys and values each timed with the attention kernel chosen for them (on Zen 4
+    the vector kernel for bf16 and the dot-product scores for 8 bits), and the step ops then take the
+    bits chosen with that bits' kernel; without 8 bits (not int4, or a model that would change its
+    answers) bf16's kernel, nothing else timed. A remembered choice among other kernels is not reused."""
+    _library()
+    config = SimpleNamespace(num_attention_heads=9, num_key_value_heads=3, hidden_size=576, num_hidden_layers=30)
+    by_bits = {16: "vectors", 8: "dot-scores"}
+    monkeypatch.setattr(
+        cpu_attention, "attention_kernel", lambda *shape, bits=16: by_bits[shape[-1] if len(shape) > 5 else bits]
+    )
+    monkeypatch.setattr(stepops, "runnable", lambda kernel: kernel)
+    for name in ("attention", "kv bits"):
+        monkeypatch.setitem(stepops._chosen, name, stepops._chosen[name])
+    timed = []
+    for ratios, bits in (((1.3, 1.2), 8), ((0.97, 1.4), 16)):
+        monkeypatch.setattr(cpu_attention, "_kv8_ratios", lambda *shape, r=ratios: timed.append(shape[-1]) or r)
+        cpu_attention.use_measured(config, int4=True, record=tmp_path / f"{bits}.json")
+        assert (stepops.kv_bits(), stepops._chosen["attention"]) == (bits, by_bits[bits])
+    assert timed == [("vectors", "dot-scores")] * 2
+    for int4, kv8 in ((False, True), (True, False)):
+        monkeypatch.setattr(cpu_attention, "_kv8_ratios", lambda *shape: pytest.fail("8 bits timed"))
+        cpu_attention.use_measured(config, int4=int4, record=tmp_path / "16.json", kv8=kv8)
+        assert (stepops.kv_bits(), stepops._chosen["attention"]) == (16, "vectors")
+    by_bits[8] = "amx"  # another kernel for 8 bits: measured again, not the record's "dot-scores" one
+    monkeypatch.setattr(cpu_attention, "_kv8_ratios", lambda *shape: timed.append(shape[-1]) or (1.0, 1.0))
+    cpu_attention.use_measured(config, int4=True, record=tmp_path / "8.json")
+    assert timed[-1] == ("vectors", "amx") and stepops.kv_bits() == 16
 
 
 def test_the_kv_bits_are_measured_on_this_machine(tmp_path, monkeypatch):
@@ -332,4 +365,4 @@ def test_the_kv_bits_are_measured_on_this_machine(tmp_path, monkeypatch):
     bits = cpu_attention.kv_bits(9, 3, 64, 30, tmp_path / "record.json")
     [(one, many)] = seen
     assert 0.2 < one < 5 and 0.2 < many < 5
-    assert bits == (8 if one >= cpu_attention.KV8_GAIN and one + many > 2 else 16)
+    assert bits == (8 if (one + many) / 2 >= cpu_attention.KV8_GAIN and one >= 1 else 16)

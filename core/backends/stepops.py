@@ -132,6 +132,11 @@ def use_kv_bits(bits: int) -> None:
     _chosen["kv bits"] = 8 if bits == 8 else 16
 
 
+def attention() -> str:
+    """The attention kernel `use_attention` chose last (vectors unless it chose another)."""
+    return _chosen["attention"]
+
+
 def kv_bits() -> int:
     """The bits of keys and values `use_kv_bits` chose last (16 unless it chose 8)."""
     return _chosen["kv bits"]

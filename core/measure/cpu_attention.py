@@ -1,6 +1,7 @@
 """How a model's steps attend on a CPU, measured here and remembered (in `kernels`' record):
 the attention kernel — in vectors, on AMX, or AMX's in AVX-512 bf16 and VNNI products
-(`attention_kernel`) — and keys and values in bf16 or in 8 bits (`kv_bits`).
+(`attention_kernel`) — for keys and values in bf16 and in 8 bits, then which of the two, each with
+its kernel (`kv_bits`).
 
 Both are timed as a step at a long context meets them: over the keys and values of `CONTEXT`
 tokens in the model's layers (up to `TIMED` bytes in bf16, in parts of `KEYS` keys), more than the
@@ -27,32 +28,38 @@ KEYS = 2048  # keys in a timed part of the context
 CONTEXT, TIMED = 4096, 128 * 2**20  # the context whose keys and values are timed, and the most bytes of them in bf16
 ROWS = (1, 16)  # a plain step, and a tree or a prompt's block
 ONE_ROW_LOSS = 0.1  # the most a one-token step's attention may lose for a choice taken for its many rows
-KV8_GAIN = 1.1  # 8-bit keys and values are taken where a one-token step's attention is this much faster with them
+KV8_GAIN = 1.1  # 8-bit keys and values are taken where one row's and 16 rows' attention are this much faster with them
 
 
 def use_measured(config, int4: bool, record: Path, kv8: bool = True) -> None:
     """The step ops' attention choices for the models loaded next (`stepops.use_attention`,
-    `stepops.use_kv_bits`), measured for `config`'s heads or remembered; 8-bit keys and values only
-    with `int4` (the library's decoder reads them) and `kv8` (False: the model would not keep its
-    answers with them, `models.kv_choice`). Nothing changes for a config without heads."""
+    `stepops.use_kv_bits`), measured for `config`'s heads or remembered: the best kernel for bf16
+    keys and values and for 8-bit ones, then the bits, each with its own kernel; 8-bit keys and
+    values only with `int4` (the library's decoder reads them) and `kv8` (False: the model would not
+    keep its answers with them, `models.kv_choice`). Nothing changes for a config without heads."""
     heads = getattr(config, "num_attention_heads", None)
     if not heads:
         return
-    dim = head_size(config)
-    kv = getattr(config, "num_key_value_heads", None) or heads
+    shape = (heads, getattr(config, "num_key_value_heads", None) or heads, head_size(config))
     layers = getattr(config, "num_hidden_layers", 1)
-    bits = kv_bits(heads, kv, dim, layers, record) if int4 and kv8 else 16
+    if not (int4 and kv8):
+        stepops.use_kv_bits(16)
+        stepops.use_attention(attention_kernel(*shape, layers, record, 16))
+        return
+    pair = tuple(attention_kernel(*shape, layers, record, bits) for bits in (16, 8))
+    bits = kv_bits(*shape, layers, record, pair)
     stepops.use_kv_bits(bits)
-    stepops.use_attention(attention_kernel(heads, kv, dim, layers, record, bits))
+    stepops.use_attention(pair[bits == 8])
 
 
 def attention_kernel(heads: int, kv_heads: int, head_dim: int, layers: int, record: Path, bits: int = 16) -> str:
     """The attention kernel the models run here (`stepops.use_attention`): of those the CPU runs
     (`stepops.KERNELS`), the one whose one-token step's and 16-row block's attention take the least
-    time added up over keys and values in `bits` (chosen first: `kv_bits`), timed against vectors by
-    turns, where a one-token step loses no more than `ONE_ROW_LOSS` to vectors (what decoding runs
-    most). Measured once per machine, shape, bits and kernel library, and remembered; a new
-    measurement turns an earlier choice over only when another kernel is clearly faster."""
+    time added up over keys and values in `bits` (`use_measured` measures it for both, then weighs
+    the two against each other: `kv_bits`), timed against vectors by turns, where a one-token step
+    loses no more than `ONE_ROW_LOSS` to vectors (what decoding runs most). Measured once per
+    machine, shape, bits and kernel library, and remembered; a new measurement turns an earlier
+    choice over only when another kernel is clearly faster."""
     kernels = [kernel for kernel in stepops.NAMES if stepops.can_attend_with(kernel)]
     if not stepops.amx_heads(head_dim) or not kernels:
         return "vectors"
@@ -67,22 +74,29 @@ def attention_kernel(heads: int, kv_heads: int, head_dim: int, layers: int, reco
     return recall(record, key, str, decide)
 
 
-def kv_bits(heads: int, kv_heads: int, head_dim: int, layers: int, record: Path) -> int:
-    """The bits of the keys and values a model's cache keeps here (`stepops.use_kv_bits`): 8 where a
-    one-token step's attention takes `KV8_GAIN` less time with them than in bf16 and a one-token
-    step's and a 16-row block's take less time so, added up, timed with the vector kernel (every CPU
-    runs it; what they save is the reading); else 16. Measured once per machine and shape, and
-    remembered; a new measurement near the threshold keeps the earlier choice."""
+def kv_bits(
+    heads: int, kv_heads: int, head_dim: int, layers: int, record: Path, kernels: tuple[str, str] = ("vectors",) * 2
+) -> int:  # fmt: skip
+    """The bits of the keys and values a model's cache keeps here (`stepops.use_kv_bits`): 8 where
+    one row's and 16 rows' attention take on average `KV8_GAIN` less time with them than in bf16,
+    one row's not more; else 16. Each timed with its own kernel (`kernels`: bf16's, then 8-bit's,
+    `attention_kernel`'s choices): 8 bits save reading, and on a CPU with AVX-512's bf16 and VNNI
+    products but no AMX their integer scores save the arithmetic the dot-product kernels spend on
+    bf16 ones (Zen 4, 4,000 tokens' keys: one row 4.6 ms in bf16 with vectors, 4.1 in 8 bits with
+    dot; 64 rows 137 → 92 ms). Measured once per machine, shape and kernels, and remembered; a new
+    measurement near the threshold keeps the earlier choice."""
     if not stepops.Ops.attends(head_dim) or q4.library() is None:
         return 16
 
     def decide(earlier: int | None) -> int:
-        one, many = _kv8_ratios(heads, kv_heads, head_dim, layers)  # bf16's time over 8-bit's
-        if earlier is not None and abs(one - KV8_GAIN) < CLEAR_WIN - 1 and one + many > 2:
+        one, many = _kv8_ratios(heads, kv_heads, head_dim, layers, kernels)  # bf16's time over 8-bit's
+        gain = (one + many) / 2
+        if earlier is not None and abs(gain - KV8_GAIN) < CLEAR_WIN - 1 and one >= 1:
             return earlier
-        return 8 if one >= KV8_GAIN and one + many > 2 else 16
+        return 8 if gain >= KV8_GAIN and one >= 1 else 16
 
-    return recall(record, record_key(f"kv bits {heads}x{kv_heads}x{head_dim}", "vectors"), int, decide)
+    timed = kernels[0] if kernels[0] == kernels[1] else " against ".join(kernels)
+    return recall(record, record_key(f"kv bits {heads}x{kv_heads}x{head_dim}", timed), int, decide)
 
 
 def _gain(kernel: str, heads: int, kv_heads: int, head_dim: int, layers: int, bits: int = 16) -> float:
@@ -95,10 +109,16 @@ def _gain(kernel: str, heads: int, kv_heads: int, head_dim: int, layers: int, bi
     return one if one < 1 - ONE_ROW_LOSS else (one + many) / 2
 
 
-def _kv8_ratios(heads: int, kv_heads: int, head_dim: int, layers: int) -> tuple[float, float]:
-    """bf16 caches' median time over 8-bit ones' for one row's and 16 rows' attention."""
-    ops = stepops.Ops(q4.library(), attention="vectors")
-    runs = {on: (ops, _caches(kv_heads, head_dim, layers, 8 if on else 16)) for on in (False, True)}
+def _kv8_ratios(
+    heads: int, kv_heads: int, head_dim: int, layers: int, kernels: tuple[str, str] = ("vectors",) * 2
+) -> tuple[float, float]:  # fmt: skip
+    """bf16 caches' median time (with the kernel `kernels[0]`) over 8-bit ones' (`kernels[1]`) for
+    one row's and 16 rows' attention."""
+    lib = q4.library()
+    runs = {
+        on: (stepops.Ops(lib, attention=kernels[on]), _caches(kv_heads, head_dim, layers, 8 if on else 16))
+        for on in (False, True)
+    }
     one, many = _ratios(heads, head_dim, runs)
     return one, many
 

@@ -46,8 +46,10 @@ TDOT void q4_dot_product(int rows, int tiles, const void *a, int64_t lda, const 
   int r0 = 0;
   for (; r0 + 4 <= rows; r0 += 4)
     tiles == 4 ? product_g(4, 4, r0, a, lda, pairs, c) : product_g(4, 2, r0, a, lda, pairs, c);
-  for (; r0 < rows; r0++)
-    tiles == 4 ? product_g(1, 4, r0, a, lda, pairs, c) : product_g(1, 2, r0, a, lda, pairs, c);
+  /* the last 1-3 rows together: each B row read once for them (a one-token step's 3 queries a kv head) */
+  if (rows - r0 == 3) tiles == 4 ? product_g(3, 4, r0, a, lda, pairs, c) : product_g(3, 2, r0, a, lda, pairs, c);
+  if (rows - r0 == 2) tiles == 4 ? product_g(2, 4, r0, a, lda, pairs, c) : product_g(2, 2, r0, a, lda, pairs, c);
+  if (rows - r0 == 1) tiles == 4 ? product_g(1, 4, r0, a, lda, pairs, c) : product_g(1, 2, r0, a, lda, pairs, c);
 }
 
 /* tile (16 keys × 16 queries, a row a key) = the bf16 dot products of 16 keys (rows d apart) with
