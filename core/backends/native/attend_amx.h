@@ -49,6 +49,6 @@ TAMXB void q4_dot_scores(int64_t d, const uint32_t *qt, const uint16_t *rows, fl
 TAMXB void q4_dot_scores_few(int64_t n, int64_t d, const uint32_t *qt, const uint16_t *rows, float scale, float *s,
                              int64_t padded);
 TAMXB void q4_dot_scores8(int64_t d, const uint32_t *qt, const int8_t *rows, int64_t row, int32_t *tile);
-TAMXB void q4_dot_scores8_few(int64_t n, int64_t d, const uint32_t *qt, const int8_t *rows, int64_t row,
+TAMXB void q4_dot_scores8_few(int64_t n, int64_t d, const uint32_t *qu, const int8_t *rows, int64_t row,
                               const float *ks, const float *qs, float *s, int64_t padded);
 #endif

@@ -70,6 +70,9 @@ TAMXB void q4_scores_amx8(int dot, int64_t n, int64_t d, const uint16_t *const *
     }
     qs[m] = unit * scale;
   }
+  if (dot && n < DOT_FEW) /* the few queries' bytes + 128 (q4_dot_scores8_few's unsigned operand) */
+    for (int64_t b = 0; b < 1024 * chunks; b += 64)
+      _mm512_storeu_si512(qt + b, _mm512_xor_si512(_mm512_loadu_si512(qt + b), _mm512_set1_epi8((char)0x80)));
   const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
   /* on the tiles with up to 4 chunks: the queries stay in tiles 2, 5-7 and the blocks' sums
    * alternate between tiles 0 and 3 (their keys 1 and 4), a block's products issued before the one

@@ -116,8 +116,9 @@ TDOT void q4_dot_scores8(int64_t d, const uint32_t *qt, const int8_t *rows, int6
 }
 
 /* s (n rows of `padded`) = those products for n queries, a lane a key, × the keys' scales (ks) ×
- * each query's (qs), in q4_scores_amx8's order. */
-TDOT void q4_dot_scores8_few(int64_t n, int64_t d, const uint32_t *qt, const int8_t *rows, int64_t row,
+ * each query's (qs), in q4_scores_amx8's order; qu: qt's layout with each byte + 128 already
+ * (U8's flip made once a part, not once for every 16 keys). */
+TDOT void q4_dot_scores8_few(int64_t n, int64_t d, const uint32_t *qu, const int8_t *rows, int64_t row,
                              const float *ks, const float *qs, float *s, int64_t padded) {
   const __m512i ones = _mm512_set1_epi8(1);
   __m512i acc[AMX_QUERIES], sum = _mm512_setzero_si512();
@@ -130,7 +131,7 @@ TDOT void q4_dot_scores8_few(int64_t n, int64_t d, const uint32_t *qt, const int
       __m512i k = _mm512_castps_si512(r[i]);
       sum = _mm512_dpbusd_epi32(sum, ones, k);
       for (int64_t m = 0; m < n; m++)
-        acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_set1_epi32((int)(qt[16 * (16 * h + i) + m] ^ U8)), k);
+        acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_set1_epi32((int)qu[16 * (16 * h + i) + m]), k);
     }
   }
   const __m512i fix = _mm512_slli_epi32(sum, 7);
