@@ -257,7 +257,7 @@ def test_the_attention_kernel_is_remembered_and_turns_only_on_a_clear_gain(tmp_p
     _library()
     monkeypatch.setattr(stepops, "can_attend_with", lambda kernel: True)
     old_key = kernels._LIBRARY_ID.sub(
-        "|kernels 000000000000", kernels.record_key("attention kernel 9x3x64", "16-bit KV")
+        "|kernels 000000000000", cpu_attention.timed_key("attention kernel 9x3x64", "16-bit KV")
     )
     cases = (
         ((1.4, 1.2, 1.1), None, "amx"), ((0.9, 1.3, 1.0), None, "dot"), ((0.9, 1.1, 1.2), None, "dot-scores"),
@@ -301,18 +301,18 @@ def test_the_attention_kernel_is_measured_on_this_machine(tmp_path):
 
 
 def test_the_kv_bits_are_remembered_and_turn_only_on_a_clear_gain(tmp_path, monkeypatch):
-    """8-bit keys and values where one row's and 16 rows' attention gain `KV8_GAIN` on average and a
-    one-token step loses nothing (timed with the vector kernel unless kernels are given); remembered
-    (nothing timed at later launches); a measurement with another kernel library keeps the earlier
-    choice near the threshold."""
+    """8-bit keys and values where a one-token step and the timed rows (`ROWS`) on average lose
+    nothing with them and one of the two gains `KV8_GAIN` (timed with the vector kernel unless
+    kernels are given); remembered (nothing timed at later launches); a measurement with another
+    kernel library keeps the earlier choice near the threshold."""
     _library()
     monkeypatch.setitem(stepops._chosen, "attention", "amx")
-    old_key = kernels._LIBRARY_ID.sub("|kernels 000000000000", kernels.record_key("kv bits 9x3x64", "vectors"))
+    old_key = kernels._LIBRARY_ID.sub("|kernels 000000000000", cpu_attention.timed_key("kv bits 9x3x64", "vectors"))
     cases = (
-        ((1.3, 1.0), None, 8), ((1.05, 1.0), None, 16), ((1.15, 0.8), None, 16),  # measured afresh
-        ((0.95, 1.5), None, 16),  # a one-token step would lose
-        ((1.12, 1.0), 16, 16), ((1.08, 1.0), 8, 8), ((1.3, 1.2), 16, 8), ((1.0, 1.0), 8, 16),  # an earlier choice
-        ((0.98, 1.3), 8, 16),
+        ((1.3, 0.9, 0.9), None, 8), ((1.05, 1.8, 1.6), None, 8),  # one gains, or the average
+        ((1.05, 1.0, 1.0), None, 16), ((1.15, 0.8, 0.9), None, 16), ((0.97, 1.8, 1.9), None, 16),  # measured afresh
+        ((1.12, 1.0, 1.0), 16, 16), ((1.08, 1.0, 1.0), 8, 8), ((1.25, 1.0, 1.0), 16, 8),  # an earlier choice
+        ((1.0, 1.0, 1.0), 8, 16), ((1.15, 0.9, 0.9), 8, 16),
     )  # fmt: skip
     for ratios, earlier, want in cases:
         record = _record(tmp_path, {} if earlier is None else {old_key: earlier})
@@ -339,7 +339,7 @@ def test_the_kv_bits_weigh_each_with_the_kernel_chosen_for_it(tmp_path, monkeypa
     for name in ("attention", "kv bits"):
         monkeypatch.setitem(stepops._chosen, name, stepops._chosen[name])
     timed = []
-    for ratios, bits in (((1.3, 1.2), 8), ((0.97, 1.4), 16)):
+    for ratios, bits in (((1.3, 1.2, 1.0), 8), ((0.97, 1.4, 1.5), 16)):
         monkeypatch.setattr(cpu_attention, "_kv8_ratios", lambda *shape, r=ratios: timed.append(shape[-1]) or r)
         cpu_attention.use_measured(config, int4=True, record=tmp_path / f"{bits}.json")
         assert (stepops.kv_bits(), stepops._chosen["attention"]) == (bits, by_bits[bits])
@@ -363,6 +363,7 @@ def test_the_kv_bits_are_measured_on_this_machine(tmp_path, monkeypatch):
     measure = cpu_attention._kv8_ratios
     monkeypatch.setattr(cpu_attention, "_kv8_ratios", lambda *shape: seen.append(measure(*shape)) or seen[-1])
     bits = cpu_attention.kv_bits(9, 3, 64, 30, tmp_path / "record.json")
-    [(one, many)] = seen
-    assert 0.2 < one < 5 and 0.2 < many < 5
-    assert bits == (8 if (one + many) / 2 >= cpu_attention.KV8_GAIN and one >= 1 else 16)
+    [ratios] = seen
+    assert len(ratios) == len(cpu_attention.ROWS) and all(0.2 < ratio < 5 for ratio in ratios)
+    pair = ratios[0], sum(ratios) / len(ratios)
+    assert bits == (8 if max(pair) >= cpu_attention.KV8_GAIN and min(pair) >= 1 else 16)
