@@ -20,6 +20,7 @@ from core.drafters.policy import (
     CONTEXT_DEPTH,
     CONTEXT_KEY,
     CONTEXT_PRIOR,
+    EXPLORE_BACKOFF,
     EXPLORE_EVERY,
     RANKS,
     CostCurve,
@@ -81,6 +82,30 @@ def test_it_explores_back_and_grows_when_the_heads_turn_right():
             break
     assert any(explored)  # it tried the heads while plain looked best
     assert p.choose().budget >= 4  # and, finding them right, grew the tree
+
+
+def test_heads_that_keep_missing_are_explored_ever_more_rarely_but_never_dropped():
+    """Each exploring step in a row whose heads do not pay doubles the wait before the next (up to
+    2**EXPLORE_BACKOFF times), so a text the heads cannot guess costs little; one that pays, or the
+    heads drafting on their own, starts over."""
+    p = policy(MODERATE)
+    wrong, right = torch.full((4, RANKS), 5), torch.full((4, RANKS), 7)
+    explored = []
+    for step in range(2000):
+        c = p.choose()
+        p.observe(c, wrong if c.budget else None, [7], [], c.expected_ms / 1000)
+        if c.reason.startswith("explore"):
+            explored.append(step)
+    gaps = [b - a for a, b in itertools.pairwise(explored)]
+    assert len(explored) >= 4 and all(b >= a for a, b in itertools.pairwise(gaps))  # never dropped, ever rarer
+    assert gaps[-1] >= EXPLORE_EVERY * 2**EXPLORE_BACKOFF and gaps[0] < gaps[-1] / 4
+    assert len(explored) <= 4 + 2000 // (EXPLORE_EVERY * 2**EXPLORE_BACKOFF)  # ~16 times fewer than without
+    for _ in range(gaps[-1] + 1):  # the text turns easy: the next exploration pays, and the heads draft again
+        c = p.choose()
+        p.observe(c, right if c.budget else None, [7, 7, 7, 7, 7], [], 0.01)
+        if c.drafted and not c.reason.startswith("explore"):
+            break
+    assert p.choose().drafted
 
 
 def probabilities(top: list[float]) -> torch.Tensor:

@@ -30,7 +30,9 @@ with the most tokens per ms, is this step's tree (plain if none pays). A confide
 deep, an unsure one not at all.
 
 Plain decoding stays one of the choices, and every `EXPLORE_EVERY` steps without heads the
-policy drafts with them once, so it can come back from plain when the text turns easier.
+policy drafts with them once, so it can come back from plain when the text turns easier; each
+such step in a row that does not pay doubles the wait (up to 16×: on a text the heads cannot
+guess, exploring costs ~0.1 % of the time instead of ~2 %).
 The tree is fixed before the forward, so every acceptance rule stays exact.
 """
 
@@ -48,6 +50,7 @@ from core.sequences import common_prefix
 MAX_BUDGET = 32  # head nodes the policy may draft (the root not counted)
 EXPLORE_EVERY = 16  # after at least this many steps without heads, draft with them once
 EXPLORE_SHARE = 0.02  # and not more often than costs this share of the time (on dear trees, rarer)
+EXPLORE_BACKOFF = 4  # each exploration in a row that did not pay doubles the wait, up to 2**this times
 HEADS_RATE = 0.05  # weight of one step in the heads' running accuracy
 CONTEXT_RATE = 0.2  # weight of one lookup in the context's running match chances
 COST_RATE = 0.1  # weight of one step in the running cost scales
@@ -175,6 +178,7 @@ class Policy:
         self._seen = {False: False, True: False}  # whether a plain / tree step was timed against this curve
         self.since_heads = 0  # steps since the heads last drafted
         self._promising = False  # the last exploring step beat a plain one: explore again at once
+        self._missed = 0  # explorations in a row that did not beat a plain step (`EXPLORE_BACKOFF`)
         # how such steps ran lately: "heads" (the heads ran), and lookup-only steps by lookup key
         self.realized: dict = {"heads": Realized()}
         self._order: tuple[list[tuple[int, ...]], list[float]] | None = None
@@ -208,7 +212,9 @@ class Policy:
             return heads
         if copy:
             return copy
-        every = max(EXPLORE_EVERY, self.heads_ms() / (EXPLORE_SHARE * plain_ms))
+        every = max(EXPLORE_EVERY, self.heads_ms() / (EXPLORE_SHARE * plain_ms)) * 2 ** min(
+            self._missed, EXPLORE_BACKOFF
+        )
         if heads and (self.since_heads >= every or self._promising):  # re-measure the heads once in a while
             return replace(heads, reason=f"explore: {heads.reason}, to re-measure the heads")
         return plain
@@ -350,6 +356,8 @@ class Policy:
         exploring = choice.reason.startswith("explore")
         # promising: a draft was accepted and the step, heads and all, beat a plain one
         self._promising = exploring and len(truth) > 1 and plain_ms > 0 and len(truth) / (1000 * seconds) > 1 / plain_ms
+        if exploring or choice.drafted:  # heads that keep not paying are tried ever more rarely
+            self._missed = self._missed + 1 if exploring and not self._promising else 0
         tree = not choice.plain or choice.drafted
         expected = choice.expected_ms / self.scales[tree]
         if expected > 0 and seconds > 0:
