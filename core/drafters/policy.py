@@ -212,9 +212,8 @@ class Policy:
             return heads
         if copy:
             return copy
-        every = max(EXPLORE_EVERY, self.heads_ms() / (EXPLORE_SHARE * plain_ms)) * 2 ** min(
-            self._missed, EXPLORE_BACKOFF
-        )
+        backoff = 2 ** min(self._missed, EXPLORE_BACKOFF)
+        every = max(EXPLORE_EVERY, self.heads_ms() / (EXPLORE_SHARE * plain_ms)) * backoff
         if heads and (self.since_heads >= every or self._promising):  # re-measure the heads once in a while
             return replace(heads, reason=f"explore: {heads.reason}, to re-measure the heads")
         return plain
