@@ -332,9 +332,7 @@ def test_the_kv_bits_weigh_each_with_the_kernel_chosen_for_it(tmp_path, monkeypa
     _library()
     config = SimpleNamespace(num_attention_heads=9, num_key_value_heads=3, hidden_size=576, num_hidden_layers=30)
     by_bits = {16: "vectors", 8: "dot-scores"}
-    monkeypatch.setattr(
-        cpu_attention, "attention_kernel", lambda *shape, bits=16: by_bits[shape[-1] if len(shape) > 5 else bits]
-    )
+    monkeypatch.setattr(cpu_attention, "attention_kernel", lambda heads, kv, dim, layers, record, bits: by_bits[bits])
     monkeypatch.setattr(stepops, "runnable", lambda kernel: kernel)
     for name in ("attention", "kv bits"):
         monkeypatch.setitem(stepops._chosen, name, stepops._chosen[name])
