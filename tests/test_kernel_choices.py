@@ -340,12 +340,12 @@ def test_the_kv_bits_weigh_each_with_the_kernel_chosen_for_it(tmp_path, monkeypa
     for ratios, bits in (((1.3, 1.2, 1.0), 8), ((0.97, 1.4, 1.5), 16)):
         monkeypatch.setattr(cpu_attention, "_kv8_ratios", lambda *shape, r=ratios: timed.append(shape[-1]) or r)
         cpu_attention.use_measured(config, int4=True, record=tmp_path / f"{bits}.json")
-        assert (stepops.kv_bits(), stepops._chosen["attention"]) == (bits, by_bits[bits])
+        assert (stepops.kv_bits(), stepops.attention()) == (bits, by_bits[bits])
     assert timed == [("vectors", "dot-scores")] * 2
     for int4, kv8 in ((False, True), (True, False)):
         monkeypatch.setattr(cpu_attention, "_kv8_ratios", lambda *shape: pytest.fail("8 bits timed"))
         cpu_attention.use_measured(config, int4=int4, record=tmp_path / "16.json", kv8=kv8)
-        assert (stepops.kv_bits(), stepops._chosen["attention"]) == (16, "vectors")
+        assert (stepops.kv_bits(), stepops.attention()) == (16, "vectors")
     by_bits[8] = "amx"  # another kernel for 8 bits: measured again, not the record's "dot-scores" one
     monkeypatch.setattr(cpu_attention, "_kv8_ratios", lambda *shape: timed.append(shape[-1]) or (1.0, 1.0))
     cpu_attention.use_measured(config, int4=True, record=tmp_path / "8.json")

@@ -355,8 +355,10 @@ class Policy:
         exploring = choice.reason.startswith("explore")
         # promising: a draft was accepted and the step, heads and all, beat a plain one
         self._promising = exploring and len(truth) > 1 and plain_ms > 0 and len(truth) / (1000 * seconds) > 1 / plain_ms
-        if exploring or choice.drafted:  # heads that keep not paying are tried ever more rarely
-            self._missed = self._missed + 1 if exploring and not self._promising else 0
+        if exploring:  # heads that keep not paying are tried ever more rarely
+            self._missed = 0 if self._promising else self._missed + 1
+        elif choice.drafted:
+            self._missed = 0
         tree = not choice.plain or choice.drafted
         expected = choice.expected_ms / self.scales[tree]
         if expected > 0 and seconds > 0:
