@@ -91,11 +91,13 @@ def packed_model(
         raise UserError(f"{gguf} is damaged or truncated: its tensors do not read ({e}).") from e
     if source is None or not covers(model, source):
         return None
+    kernels = {}  # a fused weight's kernel by its parts' names, where it is not the layers'
     if gguf is not None:
         kernel = source.layer_kernel(linears(model), kernel)
-        say_requantized(gguf, source.requantized(linears(model), kernel), kernel)
+        kernels = {names: source.group_kernel(names, kernel) for names in fused(model)}
+        say_requantized(gguf, source.requantized(kernels), kernel)
     try:
-        fill(model, source, dtype, kernel, head_kernel)
+        fill(model, source, dtype, kernel, head_kernel, kernels)
     except KeyError:
         return None  # a tensor transformers' loader would have renamed or split
     except OSError as e:
@@ -109,6 +111,17 @@ def packed_model(
 def linears(model: PreTrainedModel) -> list[str]:
     """The decoder layers' matrices: what the layer kernel holds."""
     return [name for name, p in model.named_parameters() if LAYER.search(name) and p.dim() == 2]
+
+
+def fused(model: PreTrainedModel) -> dict[tuple[str, ...], tuple[int, str]]:
+    """The decoder layers' fused weights (`lean.GROUPS`: q/k/v, o, gate/up, down), by the names of
+    their parts: (the layer, the packed name)."""
+    prefixes = {int(m.group(1)): name[: m.end()] for name in linears(model) if (m := LAYER.search(name))}
+    return {
+        tuple(f"{prefix}{parent}.{one}.weight" for one in parts): (i, packed)
+        for i, prefix in prefixes.items()
+        for parent, packed, parts in lean.GROUPS
+    }
 
 
 def give_back_freed_memory() -> None:
@@ -144,18 +157,29 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
-def fill(model: PreTrainedModel, source: TensorSource, dtype: torch.dtype, kernel: str, head_kernel: str) -> None:
+def fill(
+    model: PreTrainedModel,
+    source: TensorSource,
+    dtype: torch.dtype,
+    kernel: str,
+    head_kernel: str,
+    kernels: dict[tuple[str, ...], str] | None = None,
+) -> None:
     """Set `model`'s parameters (a `skeleton`'s) from `source` in `dtype`, packing each decoder
     layer for `kernel` as its last weight comes in, and a tied vocabulary for `head_kernel` as
     soon as it is in, before the layers (`lean.share_vocabulary`: its dense table then never
     stands beside them; an output layer of its own is left to `lean.accelerate`). Weights whose
-    blocks the source holds in the layers' form go in as they are (`_blocks`). Raises KeyError
+    blocks the source holds in the layers' form go in as they are (`_blocks`). `kernels`: a fused
+    weight's own kernel by its parts' names (`fused`), where it is not `kernel`. Raises KeyError
     naming a parameter `source` lacks."""
     layers = model.base_model.layers
     waiting = {i: sum(1 for _ in layer.parameters()) for i, layer in enumerate(layers)}
     embedding = next(n for n, p in model.named_parameters() if p is model.get_input_embeddings().weight)
     shared = False
-    readers = [lean.PackAsRead(layer, kernel) for layer in layers]
+    own = [{} for _ in layers]  # each layer's fused weights' own kernels
+    for names, (i, packed) in fused(model).items():
+        own[i][packed] = (kernels or {}).get(names, kernel)
+    readers = [lean.PackAsRead(layer, kernel, own[i]) for i, layer in enumerate(layers)]
     for name in sorted(needed(model), key=_order):
         if name == embedding and (blocks := _blocks(source, name, 8)) is not None:
             shared = lean.share_vocabulary(model, head_kernel, blocks)
@@ -163,7 +187,8 @@ def fill(model: PreTrainedModel, source: TensorSource, dtype: torch.dtype, kerne
                 continue  # the table as the file holds it, its dense weight never made
         match = LAYER.search(name)
         reader, leaf = (readers[int(match.group(1))], name[match.end() :]) if match else (None, name)
-        blocks = _blocks(source, name, reader.bits) if reader is not None and reader.bits else None
+        bits = reader.bits(leaf) if reader is not None else None
+        blocks = _blocks(source, name, bits) if bits else None
         if blocks is None or not reader.take_blocks(leaf, blocks):
             value = source.read(name, dtype)
             if reader is None or not reader.take(leaf, value):

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from core.backends import q4
+from core.backends.lean.packed import BITS
 from models import gguf_blocks
 from models.headers import _U32, _U64, _Cursor
 
@@ -234,22 +235,38 @@ class GgufFile:
             raise OSError(f"{self.path} ends inside its tensor {theirs} (truncated)")
         return raw
 
-    def requantized(self, names: list[str], kernel: str) -> list[str]:
-        """The tensor types of these weights that layers of `kernel` do not take as they are: the
-        library's take its bits' blocks (`blocks`); torch's int4 kernel quantizes again what it is
-        given, which leaves Q4_1's values as they were."""
-        bits = 8 if kernel == "q8" else 4
-        kept = {k.name for k, b in gguf_blocks.FORMS if b == bits} if kernel in ("q4", "q8") else {"Q4_1"}
-        kinds = {self.table[self.by_name[n]].kind.name for n in names if n in self.by_name}
-        return sorted(kinds - kept)
+    def requantized(self, kernels: dict[tuple[str, ...], str]) -> list[str]:
+        """The tensor types of weights (by the names of fused weights' parts, with their kernel) that
+        layers of their kernel do not take as they are: the library's take its bits' blocks
+        (`blocks`); torch's int4 kernel quantizes again what it is given, which leaves Q4_1's values
+        as they were."""
+        changed = set()
+        for names, kernel in kernels.items():
+            bits = BITS.get(kernel)
+            kept = {k.name for k, b in gguf_blocks.FORMS if b == bits} if bits else {"Q4_1"}
+            changed |= {self.table[self.by_name[n]].kind.name for n in names if n in self.by_name} - kept
+        return sorted(changed)
+
+    def group_kernel(self, names: tuple[str, ...], kernel: str) -> str:
+        """The kernel of a fused weight (q/k/v, gate/up…; by its parts' names) in layers of `kernel`:
+        in 8-bit layers, 4 or 5 bits where each part's blocks go in as they are (Q4_0, Q4_1, Q4_K:
+        4; with Q5_0, Q5_1 or Q5_K among them: 5; each the file's weights exactly, in 0.58-0.75
+        bytes a weight against 8 bits' 1.06), else `kernel`."""
+        kinds = {self.table[self.by_name[n]].kind for n in names if n in self.by_name}
+        if kernel != "q8" or len(kinds) == 0 or len(names) != sum(n in self.by_name for n in names):
+            return kernel
+        if not kinds <= set(gguf_blocks.FOUR + gguf_blocks.FIVE):
+            return kernel
+        return "q5" if kinds & set(gguf_blocks.FIVE) else "q4"
 
     def layer_kernel(self, names: list[str], kernel: str) -> str:
         """The kernel the layers run with: the library's 8-bit one instead of its 4-bit one where
         most of these weights are wider than 4 bits in the file (Gemma's Q4_K_M files are mostly
         Q5_0 and Q8_0): 4 bits would lose what they hold (top-1 agreement with the file's exact
-        logits fell to ~70 % on google/gemma-3-270m's; 8 bits keep ~98 %). That holds whichever
-        4-bit kernel was measured fastest here (torch's int4 or the library's q4), wherever the
-        library runs."""
+        logits fell to ~70 % on google/gemma-3-270m's; 8 bits keep ~98 %), and each fused weight
+        whose parts it holds as they are at 4 or 5 bits then takes those (`group_kernel`). That
+        holds whichever 4-bit kernel was measured fastest here (torch's int4 or the library's q4),
+        wherever the library runs."""
         kinds = [self.table[self.by_name[n]].kind.name for n in names if n in self.by_name]
         wide = sum(kind in WIDE for kind in kinds)
         four_bit = kernel in ("q4", "int4") and q4.library() is not None

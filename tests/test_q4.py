@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from core.backends import abi, q4, quantize, stepops
+from core.backends import abi, q4, q4build, quantize, stepops
 from core.backends import lean as fast
 from tests.helpers import library_builds, unpacked
 
@@ -94,8 +94,8 @@ def _only_artifact(folder):
 def _launch(cache) -> subprocess.CompletedProcess:
     """A later launch: a new process loads the kernel from the user cache `cache`."""
     code = (
-        "import sys; from core.backends import q4; lib = q4.library(); "
-        "sys.exit(lib is None or lib.q4_version() != q4.VERSION)"
+        "import sys; from core.backends import q4, q4build; lib = q4.library(); "
+        "sys.exit(lib is None or lib.q4_version() != q4build.VERSION)"
     )
     env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -121,17 +121,17 @@ def test_stale_cached_library_is_rebuilt(fresh):
     path = _only_artifact(fresh)
     source = fresh / "old.c"
     source.write_text("int q4_version(void) { return 0; }\n")
-    subprocess.run([q4._compiler(), "-shared", "-fPIC", str(source), "-o", str(fresh / "old.so")], check=True)
+    subprocess.run([q4build.compiler(), "-shared", "-fPIC", str(source), "-o", str(fresh / "old.so")], check=True)
     (fresh / "old.so").replace(path)
     stamp = path.with_suffix(".sha256")
-    stamp.write_text(f"0 {q4._digest(path)}")  # intact, as it was built: found stale before loading
+    stamp.write_text(f"0 {q4build.digest(path)}")  # intact, as it was built: found stale before loading
     later = _launch(fresh)
     assert later.returncode == 0 and "version 0" in later.stderr
-    stamp.write_text(f"{q4.VERSION} {q4._digest(path)}")  # a stale library that claims the version
+    stamp.write_text(f"{q4build.VERSION} {q4build.digest(path)}")  # a stale library that claims the version
     (fresh / "old.so").unlink(missing_ok=True)
-    subprocess.run([q4._compiler(), "-shared", "-fPIC", str(source), "-o", str(fresh / "old.so")], check=True)
+    subprocess.run([q4build.compiler(), "-shared", "-fPIC", str(source), "-o", str(fresh / "old.so")], check=True)
     (fresh / "old.so").replace(path)
-    stamp.write_text(f"{q4.VERSION} {q4._digest(path)}")
+    stamp.write_text(f"{q4build.VERSION} {q4build.digest(path)}")
     later = _launch(fresh)
     assert later.returncode == 0 and "version 0" in later.stderr  # caught once loaded, and replaced
 
@@ -557,9 +557,9 @@ def test_a_compiler_without_amx_and_avx_vnni_builds_the_library_without_them(tmp
     it (`Q4_NEW_ISAS=0`), the library says no to both and computes the same bits."""
     lib = loaded()
     target = tmp_path / "old.so"
-    flags = [*q4.FLAGS, "-DQ4_NEW_ISAS=0", *map(str, q4.SOURCES), "-o", str(target)]
-    subprocess.run([q4._compiler(), *flags], check=True, capture_output=True, timeout=300)
-    old = abi.load(target, q4.VERSION)
+    flags = [*q4build.FLAGS, "-DQ4_NEW_ISAS=0", *map(str, q4build.SOURCES), "-o", str(target)]
+    subprocess.run([q4build.compiler(), *flags], check=True, capture_output=True, timeout=300)
+    old = abi.load(target, q4build.VERSION)
     assert old.q4_amx() == -1 and old.q4_avx_vnni(1) == -1
     gen = torch.Generator().manual_seed(12)
     weight, x = torch.randn(48, 96, generator=gen) * 0.05, torch.randn(5, 96, generator=gen).to(torch.bfloat16)

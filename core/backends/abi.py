@@ -29,6 +29,7 @@ def load(path: Path, version: int) -> ctypes.CDLL:
     lib.q4_argmax.argtypes, lib.q4_argmax.restype = [ctypes.c_int, ctypes.c_int, i64, i64, ptr, i64, ptr], None
     lib.q4_pack4.argtypes, lib.q4_pack4.restype = [ptr, i64, i64, ptr], None
     lib.q4_pack_nibbles.argtypes, lib.q4_pack_nibbles.restype = [ptr, i64, i64, i64, i64, i64, ctypes.c_int, ptr], None
+    lib.q4_pack_high.argtypes, lib.q4_pack_high.restype = lib.q4_pack_nibbles.argtypes, None
     lib.q4_decode.argtypes = [ptr, ctypes.c_int, ctypes.c_int, i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64]
     lib.q4_decode.argtypes += [ptr, i64, ptr]
     lib.q4_decode.restype = ctypes.c_int

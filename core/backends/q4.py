@@ -7,40 +7,28 @@ it for every row (int8 activations, integer dot products: AVX-512 VNNI or AVX2; 
 count measured here, `use_amx`, the same bits), so a tree's verify costs about what reading the
 weights costs.
 
-The library is compiled once per source and compiler into the user's cache. A cached file that
-cannot be loaded, reports another version or fails the self-test is deleted and built again, with
-one sentence on stderr. Where no compiler or no AVX2 is found, `library()` is None, `unavailable()`
+The library is compiled once per source and compiler into the user's cache (`q4build`). A cached
+file that cannot be loaded, reports another version or fails the self-test is deleted and built
+again, with one sentence on stderr. Where no compiler or no AVX2 is found, `library()` is None, `unavailable()`
 says why, and the model keeps torch's int4 kernel.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import functools
-import hashlib
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
-from pathlib import Path
 
-import platformdirs
 import torch
 from torch import Tensor
 
 from core.backends import abi
+from core.backends.q4build import VERSION, artifact, build, check, compiler
 from core.backends.quantize import GROUP, on_grid, reference
 
-NATIVE = Path(__file__).parent / "native"
-_FILES = ("q4gemm", "avx2", "amx", "attend", "attend_amx", "attend_amx8", "attend_dot", "step", "decode")
-SOURCES = tuple(NATIVE / f"{name}.c" for name in _FILES)  # compiled together, with the headers
-HEADERS = (NATIVE / "common.h", NATIVE / "attend_amx.h")
-VERSION = 26  # q4_version() of the source above
 TILE = 16  # outputs per tile (inputs per scale: `quantize.GROUP`)
-FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
 ISAS = {"avx512-vnni": 2, "avx2": 1}  # the kernel variants, as q4_gemm numbers them
 
 _lock = threading.Lock()
@@ -100,93 +88,21 @@ def flavors(amx_rows: int) -> str:
     return f"{', AVX-VNNI' if _state.get('avx-vnni') else ''}{amx}"
 
 
-def artifact_dir() -> Path:
-    return Path(platformdirs.user_cache_dir("medusa-chat")) / "kernels"
-
-
-def _compiler() -> str:
-    """The C compiler: $CC, else cc, gcc or clang (raises OSError when there is none)."""
-    named = os.environ.get("CC")
-    found = shutil.which(named) if named else shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if found is None:
-        raise OSError(
-            f"the C compiler {named} was not found" if named else "no C compiler (cc, gcc or clang) was found"
-        )
-    return found
-
-
-@functools.cache
-def _source() -> bytes:
-    return b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS)) + " ".join(FLAGS).encode()
-
-
-def source_id() -> str:
-    """A short digest of the library's source and flags: measurements made with its kernels (step
-    costs, kernel choices) are keyed by it, so a changed kernel is measured again."""
-    return hashlib.sha256(_source()).hexdigest()[:12]
-
-
-def _artifact(compiler: str) -> Path:
-    """Where the library built from this source with this compiler lives."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(_source() + version.encode()).hexdigest()[:16]
-    return artifact_dir() / f"q4gemm-{key}.so"
-
-
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _check(path: Path) -> None:
-    """Raise OSError unless `path` is the file its build recorded: a truncated or damaged library
-    is never handed to the dynamic loader (which can crash the process on one)."""
-    stamp = path.with_suffix(".sha256")
-    try:
-        version, recorded = stamp.read_text().split()
-    except (OSError, ValueError):
-        raise OSError("its checksum is missing") from None
-    if version != str(VERSION):
-        raise OSError(f"it is version {version}, not {VERSION}")
-    if _digest(path) != recorded:
-        raise OSError("it does not match its checksum (truncated or damaged)")
-
-
-def _build(compiler: str, target: Path) -> None:
-    """Compile into a temporary file and move it into place with its checksum (two processes
-    may build at once)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [compiler, *FLAGS, *map(str, SOURCES), "-o", temp], capture_output=True, text=True, timeout=300
-        )
-        if done.returncode:
-            last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-            raise OSError(f"the compiler failed: {last}")
-        stamp = target.with_suffix(".sha256")
-        stamp.write_text(f"{VERSION} {_digest(Path(temp))}")
-        os.replace(temp, target)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-
-
 class Layer(ctypes.Structure):
     """What q4_run needs of one packed weight (the C struct q4_layer)."""
 
     _fields_ = [(name, ctypes.c_int64) for name in ("n", "k", "bits")]
     _fields_ += [(name, ctypes.c_void_p) for name in ("w", "d", "m", "bias")] + [("amx", ctypes.c_int64)]
-    _fields_ += [("k6", ctypes.c_void_p)]
+    _fields_ += [("k6", ctypes.c_void_p), ("hb", ctypes.c_void_p)]
 
 
 def _load() -> ctypes.CDLL:
-    compiler = _compiler()
-    path = _artifact(compiler)
+    cc = compiler()
+    path = artifact(cc)
     opened = False  # whether this process has a library of this name loaded (its name then finds that one)
     if path.exists():
         try:
-            _check(path)
+            check(path)
             opened = True
             lib = abi.load(path, VERSION)
             _self_test(lib)
@@ -196,7 +112,7 @@ def _load() -> ctypes.CDLL:
                 f"note: the cached 4-bit kernel {path.name} was unusable ({error}); building it again.", file=sys.stderr
             )
             path.unlink(missing_ok=True)
-    _build(compiler, path)
+    build(cc, path)
     if not opened:
         lib = abi.load(path, VERSION)
     else:  # load the new build under a name of its own
@@ -251,8 +167,9 @@ def fits(out_features: int, in_features: int) -> bool:
 
 
 class Packed:
-    """One weight in the kernel's layout (4 bits: GGUF Q4_1's form, or Q4_K's; 8 bits: Q8_0's), with
-    the C descriptor that points at it. `variant`: the kernel variant that will run it."""
+    """One weight in the kernel's layout (4 bits: GGUF Q4_1's form, or Q4_K's; 5 bits: those and the
+    values' fifth bits, as Q5_0, Q5_1 and Q5_K hold them; 8 bits: Q8_0's), with the C descriptor
+    that points at it. `variant`: the kernel variant that will run it."""
 
     def __init__(
         self, lib: ctypes.CDLL, weight: Tensor, bias: Tensor | None, bits: int = 4, variant: str | None = None
@@ -268,42 +185,63 @@ class Packed:
         return packed
 
     def _allocate(self, lib: ctypes.CDLL, n: int, k: int, bits: int, variant: str | None) -> None:
+        if bits not in (4, 5, 8):
+            raise ValueError(f"the library holds 4-, 5- or 8-bit weights, not {bits}-bit ones")
         self.lib, self.n, self.k, self.bits = lib, n, k, bits
         self.variant = ISAS[variant or isa()]
-        self.w = torch.empty(n * k * bits // 8, dtype=torch.uint8)
+        self.w = torch.empty(n * k // (1 if bits == 8 else 2), dtype=torch.uint8)
         self.d = torch.empty(n * k // GROUP, dtype=torch.float16)
-        self.m = torch.empty(n * k // GROUP if bits == 4 else 0, dtype=torch.float16)  # 8 bits: no minimums
+        self.m = torch.empty(n * k // GROUP if bits != 8 else 0, dtype=torch.float16)  # 8 bits: no minimums
         self.k6 = torch.empty(0, dtype=torch.uint8)  # Q4_K's multipliers, where it is held in that form
+        self.high = torch.zeros(n * k // 8 if bits == 5 else 0, dtype=torch.uint8)  # the fifth bits (q4gemm.c)
         self.bias, self.blank = None, True  # blank: no rows put yet
         self.layer = Layer(n, k, bits, self.w.data_ptr(), self.d.data_ptr(), self.m.data_ptr(), None, amx_from(), None)
+        self.layer.hb = self.high.data_ptr() if bits == 5 else None
         self.address = ctypes.addressof(self.layer)
 
     def put(self, start: int, weight: Tensor) -> None:
         """Quantize `weight` into rows [start, start + its rows) (start a multiple of TILE): laid out
         in C, in one pass on every core, as `core.backends.quantize` computes it (4 bits and K a
         multiple of 256: in Q4_K's form, `q4gemm.c`'s quantize_k_row, unless the weight holds rows
-        per group or its values lie on a grid per group already: `quantize.on_grid`). A row's bytes do not
-        depend on the others', so a weight put in parts is the weight put whole."""
+        per group or its values lie on a grid per group already: `quantize.on_grid`); a 5-bit weight's
+        rows at 4 bits (their fifth bits 0: the kernel takes 5-bit values from files' blocks only). A
+        row's bytes do not depend on the others', so a weight put in parts is the weight put whole."""
         rows, k = weight.shape
         if start % TILE or rows % TILE or k != self.k or start + rows > self.n:
             raise ValueError(f"rows {start}-{start + rows} of width {k} do not fit a packed {self.n}×{self.k} weight")
         source = weight.detach().to(torch.bfloat16).contiguous()
-        self._unsettle(form="k" if self.bits == 4 and k % 256 == 0 and not on_grid(source[:TILE]) else None)
+        self._unsettle(form="k" if self.bits != 8 and k % 256 == 0 and not on_grid(source[:TILE]) else None)
         held = start * k // (256 if self.k6.numel() else GROUP)  # the tile-major layout: rows [start, …) begin here
-        w, d, m, k6 = self.w[start * k * self.bits // 8 :], self.d[held:], self.m[held:], self.k6[start * k // 16 :]
+        w, d, m, k6 = (
+            self.w[start * self.w.numel() // self.n :],
+            self.d[held:],
+            self.m[held:],
+            self.k6[start * k // 16 :],
+        )
         pointers = (t.data_ptr() if t.numel() else None for t in (w, d, m, k6))
-        self.lib.q4_quantize(source.data_ptr(), rows, k, self.bits, *pointers)
+        self.lib.q4_quantize(source.data_ptr(), rows, k, 8 if self.bits == 8 else 4, *pointers)
+        self.high[start * k // 8 : (start + rows) * k // 8] = 0
 
     def put_blocks(
-        self, start: int, q: Tensor, step: Tensor, low: Tensor | None = None, multipliers: Tensor | None = None
+        self,
+        start: int,
+        q: Tensor,
+        step: Tensor,
+        low: Tensor | None = None,
+        multipliers: Tensor | None = None,
+        high=None,
     ) -> None:
         """Rows [start, start + len(q)) from blocks taken as they are: 8 bits, (rows, K) int8 q, (rows, K/32)
         float16 steps (GGUF Q8_0's); 4 bits, uint8 q in [0, 15] (or `models.gguf_blocks.Nibbles`), float16
         steps and minimums per group (Q4_0/1's), or (`multipliers`, Q4_K's: w = d·sc·q − dmin·mn) its float16
         d and −dmin per 256 weights and (rows, K/32, 2) uint8 sc and mn per group, held so unless the weight
-        holds rows per group already (then these are too)."""
+        holds rows per group already (then these are too). A 5-bit weight takes 4-bit blocks, and with
+        `high` (`models.gguf_blocks.FifthBits`: Q5_0, Q5_1, Q5_K's) the values' fifth bits, q being the
+        values mod 16."""
         (rows, k), bits = q.shape, 8 if low is None else 4
-        fits = (bits, q.dtype) == (self.bits, torch.int8 if bits == 8 else torch.uint8) and k == self.k
+        held = 4 if self.bits == 5 else self.bits
+        fits = (bits, q.dtype) == (held, torch.int8 if bits == 8 else torch.uint8) and k == self.k
+        fits = fits and (high is None or self.bits == 5)
         if not fits or start % TILE or rows % TILE or start + rows > self.n or (multipliers is not None and k % 256):
             raise ValueError(f"{bits}-bit rows {start}-{start + rows} of width {k} do not fit this packed weight")
         groups, tiles = k // GROUP, slice(start // TILE, (start + rows) // TILE)
@@ -319,6 +257,10 @@ class Packed:
                 mine.view(-1, held, TILE)[tiles] = given.view(-1, TILE, held).permute(0, 2, 1)
             if multipliers is not None:  # (tile, group, 2, output)
                 self.k6.view(-1, groups, 2, TILE)[tiles] = multipliers.view(-1, TILE, groups, 2).permute(0, 2, 3, 1)
+            if high is not None:
+                high.pack(self.lib, self.high[start * k // 8 :].data_ptr())
+            elif self.bits == 5:
+                self.high[start * k // 8 : (start + rows) * k // 8] = 0
             return
         self.d.view(-1, groups, TILE)[tiles] = step.view(-1, TILE, groups).permute(0, 2, 1)
         blocks = q.view(-1, TILE, groups, 8, 4)  # (tile, j, group, u, i) → the layout's (tile, group, u, j, i)
@@ -339,7 +281,7 @@ class Packed:
         Q4_0's) then drops them (the kernels compute them: an eighth of its bytes)."""
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.layer.bias = self.bias_ptr()
-        per_group = self.bits == 4 and self.m.numel() and not self.k6.numel()  # minimums per group held
+        per_group = self.bits != 8 and self.m.numel() and not self.k6.numel()  # minimums per group held
         if per_group and torch.equal(self.m, (self.d.float() * -8).half()):
             self.m, self.layer.m = torch.empty(0, dtype=torch.float16), None
 
@@ -347,18 +289,18 @@ class Packed:
         """Before rows come in `form` ("k": Q4_K's, None: per group): a blank weight takes Q4_K's form
         for them; one held in Q4_K's form takes rows per group by holding its own so first; one that
         dropped its minimums holds them again."""
-        if self.bits == 4 and self.blank and form == "k":
+        if self.bits != 8 and self.blank and form == "k":
             blocks = self.n * self.k // GROUP // 8
             self.d, self.m = torch.empty(blocks, dtype=torch.float16), torch.empty(blocks, dtype=torch.float16)
             self.k6 = torch.empty(self.n * self.k // GROUP * 2, dtype=torch.uint8)
-        elif self.bits == 4 and (self.layer.m is None or (self.k6.numel() and form is None)):
+        elif self.bits != 8 and (self.layer.m is None or (self.k6.numel() and form is None)):
             step, low = self.groups()
             self.d, self.m, self.k6 = step.half().flatten(), low.half().flatten(), self.k6[:0]
         self.layer.d, self.layer.m = self.d.data_ptr(), self.m.data_ptr() if self.m.numel() else None
         self.layer.k6, self.blank = self.k6.data_ptr() if self.k6.numel() else None, False
 
     def groups(self) -> tuple[Tensor, Tensor]:
-        """A 4-bit weight's steps and minimums, (tiles, K/32, 16) float32 each, as the kernels make them."""
+        """A 4- or 5-bit weight's steps and minimums, (tiles, K/32, 16) float32 each, as the kernels make them."""
         groups = self.k // GROUP
         if not self.k6.numel():  # a weight that dropped its minimums: −8·step (set_bias)
             low = self.m.float() if self.m.numel() else self.d.float() * -8

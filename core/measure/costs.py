@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from core.backends import q4
+from core.backends import q4build
 from core.backends.base import ATTENTION, Backend
 from core.decode.settings import DecodeSettings
 from core.decode.step import accept, commit, prefill, verify
@@ -50,7 +50,7 @@ def curve_key(backend: Backend, heads: str | None) -> str:
     name = getattr(model.config, "_name_or_path", "") or model.config.model_type
     dtype = str(model.dtype).removeprefix("torch.")
     describe = backend.describe()
-    return f"{name}|{dtype}|{describe}|heads={heads}|{machine(model.device).key}|kernels {q4.source_id()}"
+    return f"{name}|{dtype}|{describe}|heads={heads}|{machine(model.device).key}|kernels {q4build.source_id()}"
 
 
 def measure(backend: Backend, heads, repeats: int = 3, budget_s: float = BUDGET_S) -> Iterator[CostCurve | None]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from core.backends import lean, q4
+from core.backends import lean, q4, q4build
 from core.cpuinfo import cpu_flags
 from core.measure.clock import time_ms
 from core.measure.profile import machine
@@ -65,7 +65,7 @@ def candidates(dtype: str | None, int4: bool) -> list[Choice]:
 def record_key(*what: str) -> str:
     """A record's key: the machine, what was measured, and the kernels it was measured among (new
     kernels, or a changed kernel library, are measured again)."""
-    return "|".join((machine(torch.device("cpu")).key, *what, ",".join(lean.KERNELS), f"kernels {q4.source_id()}"))
+    return "|".join((machine(torch.device("cpu")).key, *what, ",".join(lean.KERNELS), f"kernels {q4build.source_id()}"))
 
 
 def choose(hidden: int, inner: int, dtype: str | None, int4: bool, record: Path) -> Choice:

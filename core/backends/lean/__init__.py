@@ -41,9 +41,18 @@ from core.backends.lean.packed import (
     table_of,
 )
 from core.backends.lean.rope import Rope
-from core.backends.lean.surgery import SUPPORTED, PackAsRead, accelerate, pack_layer, servable, share_vocabulary
+from core.backends.lean.surgery import (
+    GROUPS,
+    SUPPORTED,
+    PackAsRead,
+    accelerate,
+    pack_layer,
+    servable,
+    share_vocabulary,
+)
 
 __all__ = [
+    "GROUPS",
     "KERNELS",
     "LIBRARY",
     "QUANTIZED",

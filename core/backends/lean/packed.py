@@ -13,9 +13,10 @@ from torch import Tensor, nn
 from core.backends import q4
 from core.backends.quantize import GROUP, quantize
 
-KERNELS = ("dense", "onednn", "int4", "q4", "q8")  # how a PackedLinear multiplies; see PackedLinear
-QUANTIZED = ("int4", "q4", "q8")  # the kernels of quantized weights, run with bf16 activations
-LIBRARY = ("q4", "q8")  # the kernels of the project's own library (core.backends.q4)
+KERNELS = ("dense", "onednn", "int4", "q4", "q5", "q8")  # how a PackedLinear multiplies; see PackedLinear
+QUANTIZED = ("int4", "q4", "q5", "q8")  # the kernels of quantized weights, run with bf16 activations
+BITS = {"q4": 4, "q5": 5, "q8": 8}  # the kernels of the project's own library (core.backends.q4): their bits
+LIBRARY = tuple(BITS)
 ROW_STEP = 64  # every kernel takes a multiple of this many outputs (torch's int4 layout needs it)
 PACK_ROWS = 16 * ROW_STEP  # outputs packed for the int4 kernel at a time
 
@@ -30,6 +31,9 @@ class PackedLinear(nn.Module):
     - "q4": the same 4-bit weights with int8 activations, through `core.backends.q4`'s kernel, whose cost
       barely grows with the rows up to 8 (torch's int4 kernel costs per block of 4 rows). A
       shape the kernel does not take (outputs not a multiple of 16) gets "dense".
+    - "q5": 5-bit weights (GGUF Q5_0, Q5_1 and Q5_K's forms) with int8 activations, through the
+      same library: a file's blocks as they are (`q4.Packed.put_blocks`; a weight given in full
+      precision goes in at 4 bits).
     - "q8": 8-bit weights (GGUF Q8_0's form, as the embedded model keeps its lm_head) with int8
       activations, through the same library.
     """
@@ -48,7 +52,7 @@ class PackedLinear(nn.Module):
             lib = q4.library()
             if lib is None:
                 raise RuntimeError(f"the kernel library is unavailable: {q4.unavailable()}")
-            self.packed = q4.Packed(lib, w, bias, bits=4 if kernel == "q4" else 8)
+            self.packed = q4.Packed(lib, w, bias, bits=BITS[kernel])
         elif kernel == "onednn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 16)
         elif kernel == "int4":
@@ -63,7 +67,7 @@ class PackedLinear(nn.Module):
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.kernel, layer.out_features, layer.in_features, layer.bias = kernel, out_features, in_features, None
-        layer.packed = q4.Packed.empty(q4.library(), out_features, in_features, bits=4 if kernel == "q4" else 8)
+        layer.packed = q4.Packed.empty(q4.library(), out_features, in_features, bits=BITS[kernel])
         return layer
 
     def set_bias(self, bias: Tensor | None) -> None:

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from core.backends import q4
 from core.backends.lean.backend import LeanBackend, cost_grows_by_row
 from core.backends.lean.layer import act_name
-from core.backends.lean.packed import LIBRARY, PackedEmbedding, PackedLinear, TiedHead
+from core.backends.lean.packed import BITS, LIBRARY, PackedEmbedding, PackedLinear, TiedHead
 
 # model_type values whose decoder layers the lean forward reproduces
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
@@ -95,10 +95,11 @@ class PackAsRead:
     """A decoder layer's linear weights packed for the library's kernel as a load reads them, each
     into its rows of the packed (fused) weight: the load holds one weight in full precision at a
     time, not the layer's (at 1.7B: 34 MB instead of 134, and no fused copy beside them). The
-    rows' bytes are those `pack_layer` gives (a row is quantized on its own)."""
+    rows' bytes are those `pack_layer` gives (a row is quantized on its own). `kernels`: a fused
+    weight's own kernel by its packed name ("qkv", "gate_up"…), where it is not `kernel`."""
 
-    def __init__(self, layer: nn.Module, kernel: str) -> None:
-        self.layer, self.kernel = layer, kernel
+    def __init__(self, layer: nn.Module, kernel: str, kernels: dict[str, str] | None = None) -> None:
+        self.layer, self.kernel, self.kernels = layer, kernel, kernels or {}
         self.open: dict[str, tuple[PackedLinear, set[str]]] = {}  # packed name → it, the parts put
 
     def take(self, name: str, weight: Tensor) -> bool:
@@ -107,10 +108,10 @@ class PackAsRead:
         The group's biases must be set on the layer before its last weight comes."""
         return self._put(name, lambda packed, first: packed.put(first, weight))
 
-    @property
-    def bits(self) -> int | None:
-        """The bits of the weights this packs (None: it packs none)."""
-        return {"q4": 4, "q8": 8}.get(self.kernel)
+    def bits(self, name: str) -> int | None:
+        """The bits the weight `name` is packed at (None: this packs none)."""
+        group = _group(name)
+        return BITS.get(self.kernels.get(group[1], self.kernel) if group else self.kernel)
 
     def take_blocks(self, name: str, blocks) -> bool:
         """As `take`, from the weight's blocks as a file holds them, in the form of `bits`
@@ -127,15 +128,16 @@ class PackAsRead:
         """`put(packed, first row)` fills the weight `name`'s rows of its packed group; False where
         this does not pack it."""
         parent_name, _, leaf = name.removesuffix(".weight").rpartition(".")
-        group = next((g for g in GROUPS if g[0] == parent_name and leaf in g[2]), None)
-        if self.kernel not in LIBRARY or not name.endswith(".weight") or group is None:
+        group = _group(name)
+        kernel = self.kernels.get(group[1], self.kernel) if group else self.kernel
+        if kernel not in LIBRARY or not name.endswith(".weight") or group is None:
             return False
         parent, _, names = getattr(self.layer, parent_name), *group[1:]
         widths = [getattr(parent, one).out_features for one in names]
         columns = getattr(parent, leaf).in_features
         if q4.library() is None or not all(q4.fits(width, columns) for width in widths):
             return False
-        packed, done = self.open.setdefault(group[1], (PackedLinear.empty(sum(widths), columns, self.kernel), set()))
+        packed, done = self.open.setdefault(group[1], (PackedLinear.empty(sum(widths), columns, kernel), set()))
         put(packed.packed, sum(widths[: names.index(leaf)]))
         done.add(leaf)
         if len(done) == len(names):
@@ -143,6 +145,12 @@ class PackAsRead:
             _install(parent, group[1], names, packed)
             del self.open[group[1]]
         return True
+
+
+def _group(name: str) -> tuple[str, str, tuple[str, ...]] | None:
+    """The `GROUPS` entry of a layer's weight `name` ("mlp.up_proj.weight"), None where it is in none."""
+    parent_name, _, leaf = name.removesuffix(".weight").rpartition(".")
+    return next((g for g in GROUPS if g[0] == parent_name and leaf in g[2]), None)
 
 
 def accelerate(

@@ -55,7 +55,8 @@ T256 void q4_quantize256(const uint16_t *x, int64_t k, int8_t *p, float *e, floa
 
 /* Rows [0, R) of one tile, both halves (8 outputs each) from one broadcast of the activations.
  * A group's products are summed in int16: each of its 8 `vpmaddubsw` pairs is at most
- * 2·15·127 = 3810 in size, so their sum stays below 32767; then one `vpmaddwd` to int32. */
+ * 2·15·127 = 3810 in size, so their sum stays below 32767; then one `vpmaddwd` to int32 (a 5-bit
+ * weight's, 2·31·127 = 7874, half a group at a time). */
 #define TILE256(R, NAME, TARGET, ADD, FINISH)                                                                       \
   TARGET static void NAME##_##R(const uint8_t *w, q4_steps st, int64_t groups,                                      \
                                const int8_t *p, const float *e, const float *s, int64_t k, const float *bias,       \
@@ -68,13 +69,24 @@ T256 void q4_quantize256(const uint16_t *x, int64_t k, int8_t *p, float *e, floa
       const uint8_t *wg = w + g * TILE_BYTES;                                                                        \
       for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(wg + PF_TILE * TILE_BYTES + 64 * l), _MM_HINT_T0);     \
       if ((g + PF_TILE) % 2 == 0) prefetch_steps(st, groups, 0, g + PF_TILE);                                      \
-      __m256i sum[R][2];                                                                                             \
-      for (int r = 0; r < R; r++) sum[r][0] = sum[r][1] = _mm256_setzero_si256();                                  \
+      __m256i sum[R][2], wide[R][2]; /* wide: a 5-bit weight's first half of the group, in int32 */                \
+      for (int r = 0; r < R; r++) sum[r][0] = sum[r][1] = wide[r][0] = wide[r][1] = _mm256_setzero_si256();        \
+      if (st.hb) _mm_prefetch((const char *)FIFTH_AT(st, groups, 0, g + PF_TILE), _MM_HINT_T0);                     \
       for (int h = 0; h < 4; h++) {                                                                                  \
         __m256i v0 = _mm256_loadu_si256((const void *)(wg + 64 * h));                                                \
         __m256i v1 = _mm256_loadu_si256((const void *)(wg + 64 * h + 32));                                           \
         __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);            \
         __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);            \
+        if (st.hb) { /* the fifth bits; int16 sums of 31·127 products would overflow past half a group */          \
+          uint32_t bits[4];                                                                                          \
+          memcpy(bits, FIFTH_AT(st, groups, 0, g) + 16 * h, sizeof bits); /* masks 2h, 2h + 1: j < 8, j ≥ 8 */      \
+          lo0 = _mm256_or_si256(lo0, fifth256(bits[0])), lo1 = _mm256_or_si256(lo1, fifth256(bits[1]));            \
+          hi0 = _mm256_or_si256(hi0, fifth256(bits[2])), hi1 = _mm256_or_si256(hi1, fifth256(bits[3]));            \
+          if (h == 2)                                                                                                \
+            for (int r = 0; r < R; r++)                                                                              \
+              for (int half = 0; half < 2; half++)                                                                   \
+                wide[r][half] = FINISH(sum[r][half]), sum[r][half] = _mm256_setzero_si256();                         \
+        }                                                                                                            \
         for (int r = 0; r < R; r++) {                                                                                \
           const int8_t *pr = p + r * k + g * GROUP + 8 * h;                                                          \
           int32_t lo4, hi4;                                                                                          \
@@ -89,7 +101,7 @@ T256 void q4_quantize256(const uint16_t *x, int64_t k, int8_t *p, float *e, floa
         __m256 dg = STEPS256(st, groups, 0, g, half), mg = MINIMUMS256(st, dg, groups, 0, g, half);                 \
         for (int r = 0; r < R; r++) {                                                                                \
           int64_t eg = r * (k / GROUP) + g;                                                                          \
-          __m256 dot = _mm256_cvtepi32_ps(FINISH(sum[r][half]));                                                     \
+          __m256 dot = _mm256_cvtepi32_ps(_mm256_add_epi32(FINISH(sum[r][half]), wide[r][half]));                    \
           __m256 a = _mm256_fmadd_ps(dot, _mm256_mul_ps(dg, _mm256_set1_ps(e[eg])), _mm256_loadu_ps(acc[r] + 8 * half)); \
           _mm256_storeu_ps(acc[r] + 8 * half, _mm256_fmadd_ps(mg, _mm256_set1_ps(s[eg]), a));                        \
         }                                                                                                            \

@@ -162,22 +162,41 @@ typedef struct {
   const float *bias;     /* or NULL */
   int64_t amx;           /* calls of this many rows or more take AMX (0: none; set only where q4_amx granted it) */
   const uint8_t *k6;     /* or NULL (see above) */
+  const uint8_t *hb;     /* or NULL: a 5-bit weight's fifth bits (bits 5; see FIFTH_AT) */
 } q4_layer;
 
 /* One tile's steps and minimums (from `tile_steps`): the kernels read those of tile t from there on. */
 typedef struct {
   const uint16_t *d, *m;
-  const uint8_t *k6;
+  const uint8_t *k6, *hb;
 } q4_steps;
 static inline q4_steps tile_steps(const q4_layer *layer, int64_t t) {
   int64_t groups = layer->k / GROUP, held = layer->k6 ? groups / 8 : groups; /* float16 steps a tile and output */
   q4_steps st = {layer->d + t * held * TILE, layer->m ? layer->m + t * held * TILE : 0,
-                 layer->k6 ? layer->k6 + t * groups * 2 * TILE : 0};
+                 layer->k6 ? layer->k6 + t * groups * 2 * TILE : 0, layer->hb ? layer->hb + t * groups * 64 : 0};
   return st;
 }
 /* Where tile t's (from st's on) float16 step of group g lies, and its byte multipliers. */
 #define STEP_AT(st, groups, t, g) ((st).k6 ? ((t) * ((groups) / 8) + (g) / 8) * TILE : ((t) * (groups) + (g)) * TILE)
 #define K6_AT(st, groups, t, g) ((st).k6 + ((t) * (groups) + (g)) * 2 * TILE)
+/* A 5-bit weight (GGUF Q5_0, Q5_1, Q5_K: q in [0, 31]) is a 4-bit one (its q mod 16, steps and
+ * minimums) and its fifth bits: per tile and group 64 bytes, eight 64-bit masks, mask 2h + half's
+ * bit 4j + i being that of q[k = 8h + 4·half + i][j], the value in lane 4j + i of the half (low or
+ * high nibbles) of the layout's 64 bytes h. Tile t's (from st's on) of group g: */
+#define FIFTH_AT(st, groups, t, g) ((st).hb + ((t) * (groups) + (g)) * 64)
+/* The lanes of v (values in [0, 15]) whose fifth bit mask `word` of `at` sets, plus 16. */
+T512 static inline __m512i fifth512(__m512i v, const uint8_t *at, int word) {
+  uint64_t bits;
+  memcpy(&bits, at + 8 * word, 8);
+  return _mm512_mask_add_epi8(v, _cvtu64_mask64(bits), v, _mm512_set1_epi8(16));
+}
+/* 32 bits → 32 bytes, 16 where the bit is set (AVX2: byte i takes byte i/8 of the bits, then its bit i % 8). */
+T256 static inline __m256i fifth256(uint32_t bits) {
+  __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                  _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  v = _mm256_and_si256(v, _mm256_set1_epi64x((long long)0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(v, _mm256_set1_epi64x((long long)0x8040201008040201ULL)), _mm256_set1_epi8(16));
+}
 #define BYTES512(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)(p))))
 #define BYTES256(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const void *)(p))))
 #define HALVES512(p) _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(p)))

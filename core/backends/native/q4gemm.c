@@ -33,7 +33,7 @@
 #define PF_ROWS 12 /* a one-to-four-row pass (reg512) */
 #define PF8 6      /* an 8-bit pass (pair512_8) */
 
-int q4_version(void) { return 26; }
+int q4_version(void) { return 27; }
 
 static inline void pack_group(const uint8_t *v, int64_t j, uint8_t *o);
 
@@ -175,6 +175,28 @@ void q4_pack_nibbles(const uint8_t *src, int64_t n, int64_t k, int64_t row, int6
     }
 }
 
+/* A GGUF file's fifth bits as its 5-bit blocks hold them (rows `row` bytes apart; models/gguf_blocks.py)
+ * → the layout's (FIFTH_AT): group g in block g / per of `block` bytes, its bits from byte `at` on.
+ * Q5_0, Q5_1 (per 1): value i's is bit i of a 32-bit word. Q5_K (runs, per 8): group g's value i's
+ * is bit g of byte i of 32. A tile's rows at a time (their bits share the layout's bytes). */
+void q4_pack_high(const uint8_t *src, int64_t n, int64_t k, int64_t row, int64_t block, int64_t at, int runs,
+                  uint8_t *out) {
+  int64_t groups = k / GROUP, per = runs ? 8 : 1;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < n / TILE; t++)
+    for (int64_t g = 0; g < groups; g++) {
+      uint64_t words[8] = {0};
+      for (int j = 0; j < TILE; j++) {
+        const uint8_t *b = src + (t * TILE + j) * row + g / per * block + at;
+        for (int v = 0; v < GROUP; v++) {
+          uint64_t bit = runs ? (b[v] >> (g % per)) & 1 : (b[v / 8] >> (v % 8)) & 1;
+          words[v / 4] |= bit << (4 * j + v % 4);
+        }
+      }
+      memcpy(out + (t * groups + g) * 64, words, sizeof words);
+    }
+}
+
 /* ---------------------------------------------------------------- AVX-512 VNNI */
 
 
@@ -216,6 +238,10 @@ T512 static void quantize_512(const uint16_t *x, int64_t k, int8_t *p, float *e,
           __m512i v = _mm512_loadu_si512((const void *)(wg + 64 * h));                                               \
           b[t][2 * h] = _mm512_and_si512(v, low);                                                                    \
           b[t][2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);                                         \
+        }                                                                                                            \
+        if (st.hb) { /* a 5-bit weight's fifth bits */                                                               \
+          _mm_prefetch((const char *)FIFTH_AT(st, groups, t, g + PF), _MM_HINT_T0);                                 \
+          for (int u = 0; u < 8; u++) b[t][u] = fifth512(b[t][u], FIFTH_AT(st, groups, t, g), u);                   \
         }                                                                                                            \
         dg[t] = STEPS512(st, groups, t, g);                                                                          \
         mg[t] = MINIMUMS512(st, dg[t], groups, t, g);                                                                \
@@ -266,12 +292,18 @@ PAIR512(2)
       }                                                                                                              \
       if ((g + PF_ROWS) % 2 == 0)                                                                                    \
         for (int t = 0; t < 2; t++) prefetch_steps(st, groups, t, g + PF_ROWS);                                     \
+      if (st.hb)                                                                                                     \
+        for (int t = 0; t < 2; t++) _mm_prefetch((const char *)FIFTH_AT(st, groups, t, g + PF_ROWS), _MM_HINT_T0);  \
       for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();                                  \
       _Pragma("GCC unroll 4") for (int h = 0; h < 4; h++) {                                                         \
         __m512i v0 = _mm512_loadu_si512((const void *)(w + g * TILE_BYTES + 64 * h));                                \
         __m512i v1 = _mm512_loadu_si512((const void *)(w + stride + g * TILE_BYTES + 64 * h));                       \
         __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);            \
         __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);            \
+        if (st.hb) { /* a 5-bit weight's fifth bits */                                                               \
+          lo0 = fifth512(lo0, FIFTH_AT(st, groups, 0, g), 2 * h), hi0 = fifth512(hi0, FIFTH_AT(st, groups, 0, g), 2 * h + 1); \
+          lo1 = fifth512(lo1, FIFTH_AT(st, groups, 1, g), 2 * h), hi1 = fifth512(hi1, FIFTH_AT(st, groups, 1, g), 2 * h + 1); \
+        }                                                                                                            \
         for (int r = 0; r < R; r++) {                                                                                \
           int32_t q0, q1;                                                                                            \
           memcpy(&q0, p + r * k + g * GROUP + 8 * h, 4);                                                             \
@@ -369,7 +401,7 @@ int q4_run(const q4_layer *layer, int isa, int threads, int64_t rows, const uint
   const uint8_t *w = layer->w;
   const uint16_t *d = layer->d;
   const float *bias = layer->bias;
-  int amx = isa == 2 && layer->amx > 0 && rows >= layer->amx;
+  int amx = isa == 2 && layer->amx > 0 && rows >= layer->amx && !layer->hb; /* amx.c takes no fifth bits */
   int64_t padded = amx ? (rows + 15) / 16 * 16 : rows; /* AMX reads whole tiles of rows: the rest zeros */
   int8_t *p = malloc((size_t)(padded * k));
   float *e = malloc(sizeof(float) * (size_t)(padded * groups) * 3); /* e, s and the int32 Σp */
