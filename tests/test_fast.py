@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from core.backends import lean as fast
-from core.backends import q4
+from core.backends import q4build
 from core.backends.base import RowLogits
 from core.decode.generate import collect, stream
 from core.decode.settings import DecodeSettings
@@ -181,7 +181,7 @@ def test_kernel_choice_is_measured_once_and_a_damaged_record_is_measured_again(t
     record.write_text(json.dumps(known))
     assert kernels.choose(64, 128, "float32", False, record) in kernels.candidates("float32", False)
     assert len(timed) == 3 * count
-    monkeypatch.setattr(q4, "_source", lambda: b"a changed kernel library")  # its timings no longer hold
+    monkeypatch.setattr(q4build, "_source", lambda: b"a changed kernel library")  # its timings no longer hold
     kernels.choose(64, 128, "float32", False, record)
     assert len(timed) == 4 * count
 

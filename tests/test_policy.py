@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from app.worker import ComputeThread
-from core.backends import q4
+from core.backends import q4build
 from core.decode.generate import collect, stream
 from core.decode.settings import DecodeSettings
 from core.decode.tree import load_preset
@@ -288,7 +288,7 @@ def test_measured_curve_is_stored_and_reused(tmp_path):
 def test_a_changed_kernel_library_measures_the_curve_again(monkeypatch):
     backend = tiny_backend("llama")
     key = costs.curve_key(backend, None)
-    monkeypatch.setattr(q4, "_source", lambda: b"a changed kernel library")
+    monkeypatch.setattr(q4build, "_source", lambda: b"a changed kernel library")
     assert costs.curve_key(backend, None) != key
 
 

@@ -9,8 +9,8 @@ weights costs.
 
 The library is compiled once per source and compiler into the user's cache (`q4build`). A cached
 file that cannot be loaded, reports another version or fails the self-test is deleted and built
-again, with one sentence on stderr. Where no compiler or no AVX2 is found, `library()` is None, `unavailable()`
-says why, and the model keeps torch's int4 kernel.
+again, with one sentence on stderr. Where no compiler or no AVX2 is found, `library()` is None,
+`unavailable()` says why, and the model keeps torch's int4 kernel.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ T256 void q4_quantize256(const uint16_t *x, int64_t k, int8_t *p, float *e, floa
  * A group's products are summed in int16: each of its 8 `vpmaddubsw` pairs is at most
  * 2·15·127 = 3810 in size, so their sum stays below 32767; then one `vpmaddwd` to int32 (a 5-bit
  * weight's, 2·31·127 = 7874, half a group at a time). */
-#define TILE256(R, NAME, TARGET, ADD, FINISH)                                                                       \
+#define TILE256(R, NAME, TARGET, ADD, FINISH, FIVE) /* FIVE: a 5-bit weight's pass */                              \
   TARGET static void NAME##_##R(const uint8_t *w, q4_steps st, int64_t groups,                                      \
                                const int8_t *p, const float *e, const float *s, int64_t k, const float *bias,       \
                                uint16_t *y, int64_t ldy) {                                                          \
@@ -71,13 +71,13 @@ T256 void q4_quantize256(const uint16_t *x, int64_t k, int8_t *p, float *e, floa
       if ((g + PF_TILE) % 2 == 0) prefetch_steps(st, groups, 0, g + PF_TILE);                                      \
       __m256i sum[R][2], wide[R][2]; /* wide: a 5-bit weight's first half of the group, in int32 */                \
       for (int r = 0; r < R; r++) sum[r][0] = sum[r][1] = wide[r][0] = wide[r][1] = _mm256_setzero_si256();        \
-      if (st.hb) _mm_prefetch((const char *)FIFTH_AT(st, groups, 0, g + PF_TILE), _MM_HINT_T0);                     \
+      if (FIVE) _mm_prefetch((const char *)FIFTH_AT(st, groups, 0, g + PF_TILE), _MM_HINT_T0);                      \
       for (int h = 0; h < 4; h++) {                                                                                  \
         __m256i v0 = _mm256_loadu_si256((const void *)(wg + 64 * h));                                                \
         __m256i v1 = _mm256_loadu_si256((const void *)(wg + 64 * h + 32));                                           \
         __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);            \
         __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);            \
-        if (st.hb) { /* the fifth bits; int16 sums of 31·127 products would overflow past half a group */          \
+        if (FIVE) { /* the fifth bits; int16 sums of 31·127 products would overflow past half a group */           \
           uint32_t bits[4];                                                                                          \
           memcpy(bits, FIFTH_AT(st, groups, 0, g) + 16 * h, sizeof bits); /* masks 2h, 2h + 1: j < 8, j ≥ 8 */      \
           lo0 = _mm256_or_si256(lo0, fifth256(bits[0])), lo1 = _mm256_or_si256(lo1, fifth256(bits[1]));            \
@@ -122,24 +122,37 @@ T256 void q4_quantize256(const uint16_t *x, int64_t k, int8_t *p, float *e, floa
 #define TO32(sum) _mm256_madd_epi16(sum, ones)
 #define ADD32(sum, w, a) _mm256_dpbusd_avx_epi32(sum, w, a)
 #define AS32(sum) (sum)
-TILE256(1, tile256, T256, ADD16, TO32)
-TILE256(2, tile256, T256, ADD16, TO32)
-TILE256(3, tile256, T256, ADD16, TO32)
-TILE256(4, tile256, T256, ADD16, TO32)
+TILE256(1, tile256, T256, ADD16, TO32, 0)
+TILE256(2, tile256, T256, ADD16, TO32, 0)
+TILE256(3, tile256, T256, ADD16, TO32, 0)
+TILE256(4, tile256, T256, ADD16, TO32, 0)
+TILE256(1, tile256_5, T256, ADD16, TO32, 1)
+TILE256(2, tile256_5, T256, ADD16, TO32, 1)
+TILE256(3, tile256_5, T256, ADD16, TO32, 1)
+TILE256(4, tile256_5, T256, ADD16, TO32, 1)
 #if Q4_NEW_ISAS
-TILE256(1, tilevnni, TVNNI, ADD32, AS32)
-TILE256(2, tilevnni, TVNNI, ADD32, AS32)
-TILE256(3, tilevnni, TVNNI, ADD32, AS32)
-TILE256(4, tilevnni, TVNNI, ADD32, AS32)
+TILE256(1, tilevnni, TVNNI, ADD32, AS32, 0)
+TILE256(2, tilevnni, TVNNI, ADD32, AS32, 0)
+TILE256(3, tilevnni, TVNNI, ADD32, AS32, 0)
+TILE256(4, tilevnni, TVNNI, ADD32, AS32, 0)
+TILE256(1, tilevnni_5, TVNNI, ADD32, AS32, 1)
+TILE256(2, tilevnni_5, TVNNI, ADD32, AS32, 1)
+TILE256(3, tilevnni_5, TVNNI, ADD32, AS32, 1)
+TILE256(4, tilevnni_5, TVNNI, ADD32, AS32, 1)
 #else /* never taken: q4_avx_vnni says no */
 #define tilevnni_1 tile256_1
 #define tilevnni_2 tile256_2
 #define tilevnni_3 tile256_3
 #define tilevnni_4 tile256_4
+#define tilevnni_5_1 tile256_5_1
+#define tilevnni_5_2 tile256_5_2
+#define tilevnni_5_3 tile256_5_3
+#define tilevnni_5_4 tile256_5_4
 #endif
 
-static const tile_fn tiles256[2][ROWS256 + 1] = {{0, tile256_1, tile256_2, tile256_3, tile256_4},
-                                                 {0, tilevnni_1, tilevnni_2, tilevnni_3, tilevnni_4}};
+static const tile_fn tiles256[2][2][ROWS256 + 1] = { /* [AVX-VNNI][5-bit][rows] */
+    {{0, tile256_1, tile256_2, tile256_3, tile256_4}, {0, tile256_5_1, tile256_5_2, tile256_5_3, tile256_5_4}},
+    {{0, tilevnni_1, tilevnni_2, tilevnni_3, tilevnni_4}, {0, tilevnni_5_1, tilevnni_5_2, tilevnni_5_3, tilevnni_5_4}}};
 
 /* AVX2, 8-bit weights: rows [0, R) of one tile, half by half. */
 #define TILE256_8(R, NAME, TARGET, DOT)                                                                              \
@@ -230,7 +243,7 @@ void q4_avx2_run(const q4_layer *layer, int threads, int64_t rows, const int8_t 
         tiles256_8[avx_vnni][count](w + t * stride, d + at, groups, p + r0 * k, e + r0 * groups, k, bt,
                                     y + r0 * n + t * TILE, n);
       else
-        tiles256[avx_vnni][count](w + t * stride, tile_steps(layer, t), groups, p + r0 * k, e + r0 * groups,
+        tiles256[avx_vnni][layer->hb != 0][count](w + t * stride, tile_steps(layer, t), groups, p + r0 * k, e + r0 * groups,
                                   s + r0 * groups, k, bt, y + r0 * n + t * TILE, n);
     }
 }

@@ -220,8 +220,8 @@ T512 static void quantize_512(const uint16_t *x, int64_t k, int8_t *p, float *e,
 /* Outputs [0, 16·TILES) of TILES adjacent tiles (1 or 2) for rows [0, rows): each group's weights
  * are unpacked into registers once and used for every row; the rows' float sums wait in `acc`
  * (rows × 32 floats, in L1). */
-#define PAIR512(TILES)                                                                                               \
-  T512 static void pair512_##TILES(const uint8_t *w, q4_steps st, int64_t groups,                                 \
+#define PAIR512(TILES, FIVE, NAME) /* FIVE: a 5-bit weight's pass (its fifth bits) */                               \
+  T512 static void NAME##_##TILES(const uint8_t *w, q4_steps st, int64_t groups,                                    \
                                    const int8_t *p, const float *e, const float *s, int64_t k, int64_t rows,      \
                                    const float *bias, uint16_t *y, int64_t ldy, float *acc) {                     \
     const __m512i low = _mm512_set1_epi8(15);                                                                       \
@@ -239,7 +239,7 @@ T512 static void quantize_512(const uint16_t *x, int64_t k, int8_t *p, float *e,
           b[t][2 * h] = _mm512_and_si512(v, low);                                                                    \
           b[t][2 * h + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);                                         \
         }                                                                                                            \
-        if (st.hb) { /* a 5-bit weight's fifth bits */                                                               \
+        if (FIVE) { /* a 5-bit weight's fifth bits */                                                                \
           _mm_prefetch((const char *)FIFTH_AT(st, groups, t, g + PF), _MM_HINT_T0);                                 \
           for (int u = 0; u < 8; u++) b[t][u] = fifth512(b[t][u], FIFTH_AT(st, groups, t, g), u);                   \
         }                                                                                                            \
@@ -272,12 +272,14 @@ T512 static void quantize_512(const uint16_t *x, int64_t k, int8_t *p, float *e,
     store_rows512(TILES, rows, acc, bias, y, ldy);                                                                   \
   }
 
-PAIR512(1)
-PAIR512(2)
+PAIR512(1, 0, pair512)
+PAIR512(2, 0, pair512)
+PAIR512(1, 1, pair512_5)
+PAIR512(2, 1, pair512_5)
 
 /* The same for a pair of tiles and R ≤ 4 rows, with the sums in registers. */
-#define REG512(R)                                                                                                    \
-  T512 static void reg512_##R(const uint8_t *w, q4_steps st, int64_t groups,                                      \
+#define REG512(R, FIVE, NAME)                                                                                        \
+  T512 static void NAME##_##R(const uint8_t *w, q4_steps st, int64_t groups,                                         \
                               const int8_t *p, const float *e, const float *s, int64_t k, const float *bias,       \
                               uint16_t *y, int64_t ldy) {                                                          \
     const __m512i low = _mm512_set1_epi8(15);                                                                       \
@@ -292,7 +294,7 @@ PAIR512(2)
       }                                                                                                              \
       if ((g + PF_ROWS) % 2 == 0)                                                                                    \
         for (int t = 0; t < 2; t++) prefetch_steps(st, groups, t, g + PF_ROWS);                                     \
-      if (st.hb)                                                                                                     \
+      if (FIVE)                                                                                                      \
         for (int t = 0; t < 2; t++) _mm_prefetch((const char *)FIFTH_AT(st, groups, t, g + PF_ROWS), _MM_HINT_T0);  \
       for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();                                  \
       _Pragma("GCC unroll 4") for (int h = 0; h < 4; h++) {                                                         \
@@ -300,7 +302,7 @@ PAIR512(2)
         __m512i v1 = _mm512_loadu_si512((const void *)(w + stride + g * TILE_BYTES + 64 * h));                       \
         __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);            \
         __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);            \
-        if (st.hb) { /* a 5-bit weight's fifth bits */                                                               \
+        if (FIVE) { /* a 5-bit weight's fifth bits */                                                                \
           lo0 = fifth512(lo0, FIFTH_AT(st, groups, 0, g), 2 * h), hi0 = fifth512(hi0, FIFTH_AT(st, groups, 0, g), 2 * h + 1); \
           lo1 = fifth512(lo1, FIFTH_AT(st, groups, 1, g), 2 * h), hi1 = fifth512(hi1, FIFTH_AT(st, groups, 1, g), 2 * h + 1); \
         }                                                                                                            \
@@ -329,14 +331,19 @@ PAIR512(2)
     }                                                                                                                \
   }
 
-REG512(1)
-REG512(2)
-REG512(3)
-REG512(4)
+REG512(1, 0, reg512)
+REG512(2, 0, reg512)
+REG512(3, 0, reg512)
+REG512(4, 0, reg512)
+REG512(1, 1, reg512_5)
+REG512(2, 1, reg512_5)
+REG512(3, 1, reg512_5)
+REG512(4, 1, reg512_5)
 
 typedef void (*reg_fn)(const uint8_t *, q4_steps, int64_t, const int8_t *, const float *, const float *, int64_t,
                        const float *, uint16_t *, int64_t);
-static const reg_fn regs512[5] = {0, reg512_1, reg512_2, reg512_3, reg512_4};
+static const reg_fn regs512[2][5] = {{0, reg512_1, reg512_2, reg512_3, reg512_4},
+                                     {0, reg512_5_1, reg512_5_2, reg512_5_3, reg512_5_4}}; /* [5-bit] */
 
 /* ---------------------------------------------------------------- 8-bit weights
  *
@@ -430,7 +437,7 @@ int q4_run(const q4_layer *layer, int isa, int threads, int64_t rows, const uint
     free(e);
     return code;
   }
-  int eight = layer->bits == 8;
+  int eight = layer->bits == 8, five = layer->hb != 0;
   const int64_t stride = groups * (eight ? TILE_BYTES8 : TILE_BYTES); /* a tile's weight bytes */
   if (isa == 2) {
     /* tasks: pairs of tiles (the last may be a single tile) × chunks of CHUNK rows */
@@ -448,9 +455,10 @@ int q4_run(const q4_layer *layer, int isa, int threads, int64_t rows, const uint
           (two ? pair512_8_2 : pair512_8_1)(wt, d + at, sum + r0 * groups, groups, p + r0 * k, e + r0 * groups,
                                             k, count, bt, yt, n, acc);
         else if (two && count <= 4)
-          regs512[count](wt, tile_steps(layer, t), groups, p + r0 * k, e + r0 * groups, s + r0 * groups, k, bt, yt, n);
+          regs512[five][count](wt, tile_steps(layer, t), groups, p + r0 * k, e + r0 * groups, s + r0 * groups, k, bt, yt, n);
         else
-          (two ? pair512_2 : pair512_1)(wt, tile_steps(layer, t), groups, p + r0 * k, e + r0 * groups, s + r0 * groups,
+          (five ? (two ? pair512_5_2 : pair512_5_1) : (two ? pair512_2 : pair512_1))(
+              wt, tile_steps(layer, t), groups, p + r0 * k, e + r0 * groups, s + r0 * groups,
                                         k, count, bt, yt, n, acc);
       }
   } else {
