@@ -59,47 +59,41 @@ SHAPES = {
 # ---- the quantizers gguf.quants lacks ----
 
 
-def quantize_q4_k(rows: np.ndarray) -> np.ndarray:
-    """(n, 256) float32 → (n, 144) Q4_K blocks: d, dmin (f16), 8 six-bit scales and mins packed in 12
-    bytes, 256 four-bit values; value = d·scale·q − dmin·min, per 32-element sub-block."""
+def _k_blocks(rows: np.ndarray, levels: int) -> tuple[np.ndarray, ...]:
+    """(n, 256) float32 → what Q4_K (levels 15) and Q5_K (31) blocks share: d, dmin (f16), 8 six-bit
+    scales and mins packed in 12 bytes, and the (n, 8, 32) values in [0, levels]; value =
+    d·scale·q − dmin·min, per 32-element sub-block."""
     n = rows.shape[0]
     x = rows.reshape(n, 8, 32)
     low, high = np.minimum(x.min(-1), 0), np.maximum(x.max(-1), 0)
-    scale, least = (high - low) / 15, -low
+    scale, least = (high - low) / levels, -low
     d = _f16(scale.max(-1, keepdims=True) / 63)
     dmin = _f16(least.max(-1, keepdims=True) / 63)
     sc = np.clip(np.round(_divide(scale, d)), 0, 63).astype(np.uint8)
     mn = np.clip(np.round(_divide(least, dmin)), 0, 63).astype(np.uint8)
     step, offset = (d * sc)[..., None], (dmin * mn)[..., None]
-    q = np.clip(np.round(_divide(x + offset, step)), 0, 15).astype(np.uint8)  # (n, 8, 32)
+    q = np.clip(np.round(_divide(x + offset, step)), 0, levels).astype(np.uint8)
     scales = np.concatenate(
         [(sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6), (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6),
          (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)], axis=1,
     )  # fmt: skip
-    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(n, 128)
-    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), scales, qs], axis=1)
+    return _f16_bytes(d), _f16_bytes(dmin), scales, q
+
+
+def quantize_q4_k(rows: np.ndarray) -> np.ndarray:
+    """(n, 256) float32 → (n, 144) Q4_K blocks: d, dmin, the packed scales and mins, then 256 four-bit
+    values (sub-blocks 2c and 2c + 1 in the low and high nibbles of 32 bytes)."""
+    d, dmin, scales, q = _k_blocks(rows, 15)
+    return np.concatenate([d, dmin, scales, (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(len(q), 128)], axis=1)
 
 
 def quantize_q5_k(rows: np.ndarray) -> np.ndarray:
     """(n, 256) float32 → (n, 176) Q5_K blocks: Q4_K's with 31 steps a sub-block and the values'
     fifth bits (bit g of byte i: sub-block g's value i) between the scales and the low nibbles."""
-    n = rows.shape[0]
-    x = rows.reshape(n, 8, 32)
-    low, high = np.minimum(x.min(-1), 0), np.maximum(x.max(-1), 0)
-    scale, least = (high - low) / 31, -low
-    d = _f16(scale.max(-1, keepdims=True) / 63)
-    dmin = _f16(least.max(-1, keepdims=True) / 63)
-    sc = np.clip(np.round(_divide(scale, d)), 0, 63).astype(np.uint8)
-    mn = np.clip(np.round(_divide(least, dmin)), 0, 63).astype(np.uint8)
-    step, offset = (d * sc)[..., None], (dmin * mn)[..., None]
-    q = np.clip(np.round(_divide(x + offset, step)), 0, 31).astype(np.uint8)  # (n, 8, 32)
-    scales = np.concatenate(
-        [(sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6), (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6),
-         (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)], axis=1,
-    )  # fmt: skip
+    d, dmin, scales, q = _k_blocks(rows, 31)
     qh = ((q >> 4) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(1, dtype=np.uint8)  # (n, 32)
-    qs = ((q[:, 0::2] & 15) | ((q[:, 1::2] & 15) << 4)).reshape(n, 128)
-    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), scales, qh, qs], axis=1)
+    qs = ((q[:, 0::2] & 15) | ((q[:, 1::2] & 15) << 4)).reshape(len(q), 128)
+    return np.concatenate([d, dmin, scales, qh, qs], axis=1)
 
 
 def quantize_q6_k(rows: np.ndarray) -> np.ndarray:

@@ -122,23 +122,17 @@ T256 void q4_quantize256(const uint16_t *x, int64_t k, int8_t *p, float *e, floa
 #define TO32(sum) _mm256_madd_epi16(sum, ones)
 #define ADD32(sum, w, a) _mm256_dpbusd_avx_epi32(sum, w, a)
 #define AS32(sum) (sum)
-TILE256(1, tile256, T256, ADD16, TO32, 0)
-TILE256(2, tile256, T256, ADD16, TO32, 0)
-TILE256(3, tile256, T256, ADD16, TO32, 0)
-TILE256(4, tile256, T256, ADD16, TO32, 0)
-TILE256(1, tile256_5, T256, ADD16, TO32, 1)
-TILE256(2, tile256_5, T256, ADD16, TO32, 1)
-TILE256(3, tile256_5, T256, ADD16, TO32, 1)
-TILE256(4, tile256_5, T256, ADD16, TO32, 1)
+/* A pass for each row count up to ROWS256. */
+#define TILES256(NAME, TARGET, ADD, FINISH, FIVE)                                                                    \
+  TILE256(1, NAME, TARGET, ADD, FINISH, FIVE)                                                                        \
+  TILE256(2, NAME, TARGET, ADD, FINISH, FIVE)                                                                        \
+  TILE256(3, NAME, TARGET, ADD, FINISH, FIVE)                                                                        \
+  TILE256(4, NAME, TARGET, ADD, FINISH, FIVE)
+TILES256(tile256, T256, ADD16, TO32, 0)
+TILES256(tile256_5, T256, ADD16, TO32, 1)
 #if Q4_NEW_ISAS
-TILE256(1, tilevnni, TVNNI, ADD32, AS32, 0)
-TILE256(2, tilevnni, TVNNI, ADD32, AS32, 0)
-TILE256(3, tilevnni, TVNNI, ADD32, AS32, 0)
-TILE256(4, tilevnni, TVNNI, ADD32, AS32, 0)
-TILE256(1, tilevnni_5, TVNNI, ADD32, AS32, 1)
-TILE256(2, tilevnni_5, TVNNI, ADD32, AS32, 1)
-TILE256(3, tilevnni_5, TVNNI, ADD32, AS32, 1)
-TILE256(4, tilevnni_5, TVNNI, ADD32, AS32, 1)
+TILES256(tilevnni, TVNNI, ADD32, AS32, 0)
+TILES256(tilevnni_5, TVNNI, ADD32, AS32, 1)
 #else /* never taken: q4_avx_vnni says no */
 #define tilevnni_1 tile256_1
 #define tilevnni_2 tile256_2
