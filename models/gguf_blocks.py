@@ -34,9 +34,9 @@ Kind = gguf.GGMLQuantizationType
 FOUR, FIVE = (Kind.Q4_0, Kind.Q4_1, Kind.Q4_K), (Kind.Q5_0, Kind.Q5_1, Kind.Q5_K)
 FORMS = {(Kind.Q8_0, 8), (Kind.Q4_0, 8), (Kind.Q5_0, 8)} | {(k, 4) for k in FOUR} | {(k, 5) for k in FOUR + FIVE}
 # (type, bits of the layers) whose blocks the layers take as they are
-LAYOUT = {Kind.Q4_0: (18, 2, 0), Kind.Q4_1: (20, 4, 0), Kind.Q4_K: (144, 16, 1)}  # a block's bytes, those
-LAYOUT |= {Kind.Q5_0: (22, 6, 0), Kind.Q5_1: (24, 8, 0), Kind.Q5_K: (176, 48, 1)}  # before its 4-bit values,
-# and whether those lie in runs (see `Nibbles`)
+# a block's bytes, those before its 4-bit values, and whether those lie in runs (see `Nibbles`)
+LAYOUT = {Kind.Q4_0: (18, 2, 0), Kind.Q4_1: (20, 4, 0), Kind.Q4_K: (144, 16, 1)}
+LAYOUT |= {Kind.Q5_0: (22, 6, 0), Kind.Q5_1: (24, 8, 0), Kind.Q5_K: (176, 48, 1)}
 HIGH = {Kind.Q5_0: 2, Kind.Q5_1: 4, Kind.Q5_K: 16}  # where a 5-bit block's fifth bits begin (see `FifthBits`)
 
 
