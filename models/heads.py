@@ -48,6 +48,9 @@ class ResBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
+TOP_FLOATS = 1 << 19  # the most logits `MedusaHeads.top` takes in one batch (2 MB of float32)
+
+
 class MedusaHeads(nn.Module):
     def __init__(
         self,
@@ -165,19 +168,22 @@ class MedusaHeads(nn.Module):
         return self.token_ids[top] if self.token_ids is not None else top
 
     def top(self, hidden: Tensor, count: int, k: int) -> tuple[Tensor, Tensor]:
-        """`candidates` and their probabilities (count, k) under each head's softmax: the top k of
-        the logits, over each row's log-sum-exp in float32, a row at a time (the softmax of every
-        head's row over a 262k vocabulary held three float copies of it: ~14 MB at a step's peak)."""
+        """`candidates` and their probabilities (count, k) under each head's softmax: in one batch
+        where the heads' logits are at most `TOP_FLOATS`, else a head at a time, its top k from
+        its logits and their probabilities over its row's log-sum-exp (a 262k vocabulary's 4
+        heads' float32 copies and top-k buffers took ~15 MB at a step's peak; a row at a time is
+        2-3× slower on a 2-core CPU, so smaller vocabularies keep the batch)."""
         logits = self(hidden, count)
-        tops, probs = [], []
-        for row in logits.reshape(-1, logits.shape[-1]):
-            top = row.topk(k)
-            tops.append(top.indices)
-            probs.append((top.values.float() - torch.logsumexp(row.float(), dim=-1)).exp())
-        shape = (*logits.shape[:-1], k)
-        indices = torch.stack(tops).view(shape)
+        if logits.numel() <= TOP_FLOATS:
+            top = logits.float().softmax(-1).topk(k, dim=-1)
+            indices, values = top.indices, top.values
+        else:
+            tops = [(row.topk(k), torch.logsumexp(row.float(), dim=-1)) for row in logits.reshape(-1, logits.shape[-1])]
+            shape = (*logits.shape[:-1], k)
+            indices = torch.stack([top.indices for top, _ in tops]).view(shape)
+            values = torch.stack([(top.values.float() - norm).exp() for top, norm in tops]).view(shape)
         ids = self.token_ids[indices] if self.token_ids is not None else indices
-        return ids, torch.stack(probs).view(shape)
+        return ids, values
 
     def target_index(self, targets: Tensor) -> Tensor:
         """Token ids → positions in this head's output (-100 for tokens outside the subset)."""
