@@ -91,11 +91,15 @@ def packed_model(
         raise UserError(f"{gguf} is damaged or truncated: its tensors do not read ({e}).") from e
     if source is None or not covers(model, source):
         return None
-    kernels = {}  # a fused weight's kernel by its parts' names, where it is not the layers'
+    kernels = None  # each layer's fused weights' kernels by their packed names, where a file sets them
     if gguf is not None:
         kernel = source.layer_kernel(linears(model), kernel)
-        kernels = {names: source.group_kernel(names, kernel) for names in fused(model)}
-        say_requantized(gguf, source.requantized(kernels), kernel)
+        groups = fused(model)
+        chosen = {names: source.group_kernel(names, kernel) for names in groups}
+        say_requantized(gguf, source.requantized(chosen), kernel)
+        kernels = [{} for _ in model.base_model.layers]
+        for names, (i, packed) in groups.items():
+            kernels[i][packed] = chosen[names]
     try:
         fill(model, source, dtype, kernel, head_kernel, kernels)
     except KeyError:
@@ -163,23 +167,20 @@ def fill(
     dtype: torch.dtype,
     kernel: str,
     head_kernel: str,
-    kernels: dict[tuple[str, ...], str] | None = None,
+    kernels: list[dict[str, str]] | None = None,
 ) -> None:
     """Set `model`'s parameters (a `skeleton`'s) from `source` in `dtype`, packing each decoder
     layer for `kernel` as its last weight comes in, and a tied vocabulary for `head_kernel` as
     soon as it is in, before the layers (`lean.share_vocabulary`: its dense table then never
     stands beside them; an output layer of its own is left to `lean.accelerate`). Weights whose
-    blocks the source holds in the layers' form go in as they are (`_blocks`). `kernels`: a fused
-    weight's own kernel by its parts' names (`fused`), where it is not `kernel`. Raises KeyError
+    blocks the source holds in the layers' form go in as they are (`_blocks`). `kernels`: each layer's
+    fused weights' own kernels by their packed names (`fused`), where they are not `kernel`. Raises KeyError
     naming a parameter `source` lacks."""
     layers = model.base_model.layers
     waiting = {i: sum(1 for _ in layer.parameters()) for i, layer in enumerate(layers)}
     embedding = next(n for n, p in model.named_parameters() if p is model.get_input_embeddings().weight)
     shared = False
-    own = [{} for _ in layers]  # each layer's fused weights' own kernels
-    for names, (i, packed) in fused(model).items():
-        own[i][packed] = (kernels or {}).get(names, kernel)
-    readers = [lean.PackAsRead(layer, kernel, own[i]) for i, layer in enumerate(layers)]
+    readers = [lean.PackAsRead(layer, kernel, kernels[i] if kernels else None) for i, layer in enumerate(layers)]
     for name in sorted(needed(model), key=_order):
         if name == embedding and (blocks := _blocks(source, name, 8)) is not None:
             shared = lean.share_vocabulary(model, head_kernel, blocks)

@@ -244,7 +244,7 @@ class GgufFile:
         for names, kernel in kernels.items():
             bits = BITS.get(kernel)
             kept = {k.name for k, b in gguf_blocks.FORMS if b == bits} if bits else {"Q4_1"}
-            changed |= {self.table[self.by_name[n]].kind.name for n in names if n in self.by_name} - kept
+            changed |= {kind.name for kind in self._kinds(names)} - kept
         return sorted(changed)
 
     def group_kernel(self, names: tuple[str, ...], kernel: str) -> str:
@@ -252,8 +252,8 @@ class GgufFile:
         in 8-bit layers, 4 or 5 bits where each part's blocks go in as they are (Q4_0, Q4_1, Q4_K:
         4; with Q5_0, Q5_1 or Q5_K among them: 5; each the file's weights exactly, in 0.58-0.75
         bytes a weight against 8 bits' 1.06), else `kernel`."""
-        kinds = {self.table[self.by_name[n]].kind for n in names if n in self.by_name}
-        if kernel != "q8" or len(kinds) == 0 or len(names) != sum(n in self.by_name for n in names):
+        kinds = set(self._kinds(names))
+        if kernel != "q8" or not names or not all(n in self.by_name for n in names):
             return kernel
         if not kinds <= set(gguf_blocks.FOUR + gguf_blocks.FIVE):
             return kernel
@@ -267,10 +267,14 @@ class GgufFile:
         whose parts it holds as they are at 4 or 5 bits then takes those (`group_kernel`). That
         holds whichever 4-bit kernel was measured fastest here (torch's int4 or the library's q4),
         wherever the library runs."""
-        kinds = [self.table[self.by_name[n]].kind.name for n in names if n in self.by_name]
+        kinds = [kind.name for kind in self._kinds(names)]
         wide = sum(kind in WIDE for kind in kinds)
         four_bit = kernel in ("q4", "int4") and q4.library() is not None
         return "q8" if four_bit and kinds and wide > len(kinds) / 2 else kernel
+
+    def _kinds(self, names) -> list[gguf.GGMLQuantizationType]:
+        """The tensor types of those of these weights (transformers names) the file holds."""
+        return [self.table[self.by_name[n]].kind for n in names if n in self.by_name]
 
     def close(self) -> None:
         self.file.close()
