@@ -224,6 +224,10 @@ def test_the_amx_row_count_is_measured_on_this_machine(tmp_path):
 # A flavor choice: (module, its availability check, the record's key, the measurement, the choice)
 FLAVORS = {
     "avx-vnni": (q4, "avx_vnni", "avx-vnni 64x128", kernels, "_avx_vnni_ratio", lambda r: kernels.avx_vnni(64, 128, r)),
+    "prefetch-l2": (
+        q4, "prefetch_l2", "prefetch l2 64x128", kernels, "_prefetch_l2_ratio",
+        lambda r: kernels.prefetch_l2(64, 128, r),
+    ),
 }  # fmt: skip
 
 

@@ -552,6 +552,29 @@ def test_avx_vnni_passes_give_the_avx2_passes_bits(bits):
         lib.q4_avx_vnni(0)
 
 
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_weights_prefetched_to_l2_give_the_same_bits(bits):
+    """The few-row and 8-bit passes' prefetches to L2 (`q4_prefetch_l2`) or L1 move no bit: every
+    variant here, every row count, 4-, 5- (fifth bits from a file's blocks) and 8-bit weights, over
+    tiles whose prefetches run past their ends."""
+    lib = loaded()
+    gen = torch.Generator().manual_seed(20 + bits)
+    weight, bias = torch.randn(80, 512, generator=gen) * 0.05, torch.randn(80, generator=gen)
+    x = torch.randn(9, 512, generator=gen).to(torch.bfloat16)
+    for variant in variants():
+        layer = q4.Packed(lib, weight, bias, 8 if bits == 8 else 4, variant)
+        if bits == 5:  # fifth bits set at random: a 5-bit weight as a file's blocks give it
+            layer = q4.Packed(lib, weight, bias, 5, variant)
+            layer.high.copy_(torch.randint(0, 256, layer.high.shape, generator=gen, dtype=torch.uint8))
+        try:
+            near = {rows: layer(x[:rows]) for rows in (1, 2, 3, 4, 5, 9)}
+            assert lib.q4_prefetch_l2(1) == 0
+            for rows, want in near.items():
+                assert torch.equal(layer(x[:rows]), want), (variant, rows)
+        finally:
+            lib.q4_prefetch_l2(0)
+
+
 def test_a_compiler_without_amx_and_avx_vnni_builds_the_library_without_them(tmp_path):
     """GCC before 11 and clang before 12 know neither AMX nor AVX-VNNI: built as they would build
     it (`Q4_NEW_ISAS=0`), the library says no to both and computes the same bits."""

@@ -81,11 +81,25 @@ def use_avx_vnni(on: bool) -> None:
         _state["avx-vnni"] = bool(on)
 
 
+def prefetch_l2() -> bool:
+    """Whether the library runs here (its few-row and 8-bit passes may prefetch to L2)."""
+    return library() is not None
+
+
+def use_prefetch_l2(on: bool) -> None:
+    """The few-row and 8-bit passes' weight prefetches to L2 (on) or L1 (common.h's PREFETCH_W; the
+    same bits either way), where the library runs."""
+    if prefetch_l2():
+        library().q4_prefetch_l2(int(on))
+        _state["prefetch-l2"] = bool(on)
+
+
 def flavors(amx_rows: int) -> str:
     """The kernel flavors in use beyond the variant ("" when none): AVX-VNNI, AMX from a row count
-    (`amx_rows`: a weight's, see `Packed.amx`)."""
+    (`amx_rows`: a weight's, see `Packed.amx`), weights prefetched to L2."""
     amx = f", AMX from {amx_rows} rows" if amx_rows else ""
-    return f"{', AVX-VNNI' if _state.get('avx-vnni') else ''}{amx}"
+    l2 = ", weights prefetched to L2" if _state.get("prefetch-l2") else ""
+    return f"{', AVX-VNNI' if _state.get('avx-vnni') else ''}{amx}{l2}"
 
 
 class Layer(ctypes.Structure):

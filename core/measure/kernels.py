@@ -29,6 +29,7 @@ from core.measure.profile import machine
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ROWS = (1, 8)  # a plain step and a typical tree step
 WORKING_SET = 48 * 2**20  # bytes of weights cycled through while timing (beyond the CPU cache)
+STREAMED = 96 * 2**20  # weights (4-bit: 54 MB) timed for the prefetches' flavor: from memory, as a large model's
 DRAFT_TIMED = 64 * 2**20  # at most this many bytes of float32 weight timed for a drafting choice (see `drafting`)
 CLEAR_WIN = 1.1  # a remeasured kernel choice replaces the one measured before only when it is this much faster
 AMX_ROWS = (2, 4, 8, 12, 16, 32)  # the row counts timed for AMX (`amx_rows`)
@@ -188,17 +189,40 @@ def _avx_vnni_ratio(hidden: int, inner: int) -> float:
     return sum(ratios.values()) / len(ratios)
 
 
-def _by_turns(hidden: int, inner: int, counts: tuple[int, ...], switch) -> dict[int, float]:
+def prefetch_l2(hidden: int, inner: int, record: Path) -> bool:
+    """Whether the few-row and 8-bit passes prefetch the weights to L2 here (`q4.use_prefetch_l2`;
+    the same bits): whether one and four rows through this model's MLP shapes, from memory, take
+    less time so, timed by turns. Measured once per machine, shape and kernel library, and
+    remembered; a new measurement turns an earlier choice over only when the ratio is clearly on
+    the other side."""
+    if not q4.prefetch_l2():
+        return False
+
+    def decide(earlier: bool | None) -> bool:
+        ratio = _prefetch_l2_ratio(hidden, inner)  # L1's time over L2's
+        return earlier if earlier is not None and abs(ratio - 1) < CLEAR_WIN - 1 else ratio > 1
+
+    return recall(record, record_key(f"prefetch l2 {hidden}x{inner}"), bool, decide)
+
+
+def _prefetch_l2_ratio(hidden: int, inner: int) -> float:
+    """The weights prefetched to L1's median time over L2's for one and four rows, added up: over
+    `STREAMED` weights, which no CPU's cache holds, as a 1-8B model's layers are read."""
+    copies = max(1, STREAMED // (2 * inner * hidden))
+    ratios = _by_turns(hidden, inner, (1, 4), lambda on, layers: q4.use_prefetch_l2(on), copies)
+    return sum(ratios.values()) / len(ratios)
+
+
+def _by_turns(hidden: int, inner: int, counts: tuple[int, ...], switch, copies: int = 0) -> dict[int, float]:
     """{rows: the median time of the 4-bit kernel on an MLP's two shapes with `switch(False,
-    layers)` over that with `switch(True, layers)`}, the two timed by turns; left switched off."""
-    count = max(1, min(8, WORKING_SET // (inner * hidden)))  # 4-bit weights, beyond the CPU cache
+    layers)` over that with `switch(True, layers)`}, the two timed by turns; left switched off.
+    Over `copies` of the two (0: up to 8, `WORKING_SET` weights)."""
+    count = copies or max(1, min(8, WORKING_SET // (inner * hidden)))  # 4-bit weights, beyond the CPU cache
     gen = torch.Generator().manual_seed(0)
     lib = q4.library()
-    layers = [
-        q4.Packed(lib, torch.randn(o, i, generator=gen) * 0.05, None)
-        for _ in range(count)
-        for o, i in ((inner, hidden), (hidden, inner))
-    ]
+    weights = [torch.randn(o, i, generator=gen) * 0.05 for o, i in ((inner, hidden), (hidden, inner))]
+    layers = [q4.Packed(lib, weight, None) for _ in range(count) for weight in weights]
+    del weights
     ratios = {}
     with torch.inference_mode():
         for rows in counts:

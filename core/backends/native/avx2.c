@@ -51,7 +51,7 @@ T256 void q4_quantize256(const uint16_t *x, int64_t k, int8_t *p, float *e, floa
 /* Groups ahead whose weights a pass prefetches, past its tile's end too (the next tile's, which
  * the same thread reads next): on an Intel Xeon under these kernels, one row of 1.7B-shape
  * matrices from memory 14.5 → 17 GB/s at 4 bits, 23 → 32 GB/s at 8 (q4gemm.c's PF_ROWS). */
-#define PF_TILE 12
+#define PF_TILE 12 /* to L2 (q4_prefetch_l2): twice as far */
 
 /* Rows [0, R) of one tile, both halves (8 outputs each) from one broadcast of the activations.
  * A group's products are summed in int16: each of its 8 `vpmaddubsw` pairs is at most
@@ -64,14 +64,16 @@ T256 void q4_quantize256(const uint16_t *x, int64_t k, int8_t *p, float *e, floa
     const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1); /* ones: AVX2's FINISH */               \
     (void)ones;                                                                                                      \
     float acc[R][16];                                                                                                \
+    const int l2 = q4_to_l2;                                                                                         \
+    const int64_t ahead = l2 ? 2 * PF_TILE : PF_TILE;                                                                \
     memset(acc, 0, sizeof acc);                                                                                      \
     for (int64_t g = 0; g < groups; g++) {                                                                           \
       const uint8_t *wg = w + g * TILE_BYTES;                                                                        \
-      for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(wg + PF_TILE * TILE_BYTES + 64 * l), _MM_HINT_T0);     \
-      if ((g + PF_TILE) % 2 == 0) prefetch_steps(st, groups, 0, g + PF_TILE);                                      \
+      for (int l = 0; l < 4; l++) PREFETCH_W(wg + ahead * TILE_BYTES + 64 * l, l2);                                  \
+      if ((g + ahead) % 2 == 0) prefetch_steps(st, groups, 0, g + ahead, l2);                                       \
       __m256i sum[R][2], wide[R][2]; /* wide: a 5-bit weight's first half of the group, in int32 */                \
       for (int r = 0; r < R; r++) sum[r][0] = sum[r][1] = wide[r][0] = wide[r][1] = _mm256_setzero_si256();        \
-      if (FIVE) _mm_prefetch((const char *)FIFTH_AT(st, groups, 0, g + PF_TILE), _MM_HINT_T0);                      \
+      if (FIVE) PREFETCH_W(FIFTH_AT(st, groups, 0, g + ahead), l2);                                                 \
       for (int h = 0; h < 4; h++) {                                                                                  \
         __m256i v0 = _mm256_loadu_si256((const void *)(wg + 64 * h));                                                \
         __m256i v1 = _mm256_loadu_si256((const void *)(wg + 64 * h + 32));                                           \
@@ -154,14 +156,16 @@ static const tile_fn tiles256[2][2][ROWS256 + 1] = { /* [AVX-VNNI][5-bit][rows] 
                                  const float *e, int64_t k, const float *bias, uint16_t *y, int64_t ldy) {        \
     const __m256i ones = _mm256_set1_epi16(1); /* AVX2's DOT */                                                      \
     (void)ones;                                                                                                      \
+    const int l2 = q4_to_l2;                                                                                         \
+    const int64_t ahead = l2 ? 2 * PF_TILE : PF_TILE;                                                                \
     for (int half = 0; half < 2; half++) {                                                                           \
       __m256 acc[R];                                                                                                 \
       for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                                                    \
       for (int64_t g = 0; g < groups; g++) {                                                                         \
         __m256i dot[R];                                                                                              \
         for (int r = 0; r < R; r++) dot[r] = _mm256_setzero_si256();                                               \
-        for (int u = 0; u < 8; u++) /* PF_TILE groups ahead (the second half's: the next tile's at its end) */    \
-          _mm_prefetch((const char *)(w + (g + PF_TILE) * TILE_BYTES8 + 64 * u), _MM_HINT_T0);                        \
+        for (int u = 0; u < 8; u++) /* `ahead` groups ahead (the second half's: the next tile's at its end) */    \
+          PREFETCH_W(w + (g + ahead) * TILE_BYTES8 + 64 * u, l2);                                                    \
         for (int u = 0; u < 8; u++) {                                                                                \
           __m256i wv = _mm256_loadu_si256((const void *)(w + g * TILE_BYTES8 + 64 * u + 32 * half));                 \
           __m256i aw = _mm256_sign_epi8(wv, wv);                                                                     \

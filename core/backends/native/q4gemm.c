@@ -30,10 +30,18 @@
  * prefetcher alone, and prefetches that stopped at a tile's end, left the latency exposed), 8
  * rows +6-10 %, 8-bit weights +5-10 %; whole models' one-token steps +12-15 %. */
 #define PF 8       /* a many-row pass (pair512) */
-#define PF_ROWS 12 /* a one-to-four-row pass (reg512) */
-#define PF8 6      /* an 8-bit pass (pair512_8) */
+#define PF_ROWS 12 /* a one-to-four-row pass (reg512; to L2: twice as far) */
+#define PF8 6      /* an 8-bit pass (pair512_8; to L2: twice as far) */
 
-int q4_version(void) { return 27; }
+int q4_version(void) { return 28; }
+
+int q4_to_l2; /* common.h's PREFETCH_W */
+
+/* The few-row and 8-bit passes' weight prefetches to L2 (on: 1) or L1 (0). Returns 0. */
+int q4_prefetch_l2(int on) {
+  q4_to_l2 = on != 0;
+  return 0;
+}
 
 static inline void pack_group(const uint8_t *v, int64_t j, uint8_t *o);
 
@@ -233,7 +241,7 @@ T512 static void quantize_512(const uint16_t *x, int64_t k, int8_t *p, float *e,
       for (int t = 0; t < TILES; t++) {                                                                              \
         const uint8_t *wg = w + t * stride + g * TILE_BYTES;                                                        \
         for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(wg + PF * TILE_BYTES + 64 * l), _MM_HINT_T0);        \
-        if ((g + PF) % 2 == 0) prefetch_steps(st, groups, t, g + PF);                                               \
+        if ((g + PF) % 2 == 0) prefetch_steps(st, groups, t, g + PF, 0);                                               \
         for (int h = 0; h < 4; h++) {                                                                                \
           __m512i v = _mm512_loadu_si512((const void *)(wg + 64 * h));                                               \
           b[t][2 * h] = _mm512_and_si512(v, low);                                                                    \
@@ -285,17 +293,19 @@ PAIR512(2, 1, pair512_5)
     const __m512i low = _mm512_set1_epi8(15);                                                                       \
     const int64_t stride = groups * TILE_BYTES;                                                                      \
     __m512 acc[R][2];                                                                                                \
+    const int l2 = q4_to_l2;                                                                                         \
+    const int64_t ahead = l2 ? 2 * PF_ROWS : PF_ROWS; /* groups ahead */                                            \
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();                                       \
     for (int64_t g = 0; g < groups; g++) {                                                                           \
       __m512i dot[R][2];                                                                                             \
-      for (int l = 0; l < 4; l++) { /* PF_ROWS groups ahead */                                                       \
-        _mm_prefetch((const char *)(w + (g + PF_ROWS) * TILE_BYTES + 64 * l), _MM_HINT_T0);                          \
-        _mm_prefetch((const char *)(w + stride + (g + PF_ROWS) * TILE_BYTES + 64 * l), _MM_HINT_T0);                 \
+      for (int l = 0; l < 4; l++) {                                                                                  \
+        PREFETCH_W(w + (g + ahead) * TILE_BYTES + 64 * l, l2);                                                       \
+        PREFETCH_W(w + stride + (g + ahead) * TILE_BYTES + 64 * l, l2);                                              \
       }                                                                                                              \
-      if ((g + PF_ROWS) % 2 == 0)                                                                                    \
-        for (int t = 0; t < 2; t++) prefetch_steps(st, groups, t, g + PF_ROWS);                                     \
+      if ((g + ahead) % 2 == 0)                                                                                      \
+        for (int t = 0; t < 2; t++) prefetch_steps(st, groups, t, g + ahead, l2);                                   \
       if (FIVE)                                                                                                      \
-        for (int t = 0; t < 2; t++) _mm_prefetch((const char *)FIFTH_AT(st, groups, t, g + PF_ROWS), _MM_HINT_T0);  \
+        for (int t = 0; t < 2; t++) PREFETCH_W(FIFTH_AT(st, groups, t, g + ahead), l2);                             \
       for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();                                  \
       _Pragma("GCC unroll 4") for (int h = 0; h < 4; h++) {                                                         \
         __m512i v0 = _mm512_loadu_si512((const void *)(w + g * TILE_BYTES + 64 * h));                                \
@@ -361,14 +371,16 @@ static const reg_fn regs512[2][5] = {{0, reg512_1, reg512_2, reg512_3, reg512_4}
                                      uint16_t *y, int64_t ldy, float *acc) {                                      \
     const int64_t stride = groups * TILE_BYTES8;                                                                     \
     const __m512i shift = _mm512_set1_epi8((char)0x80);                                                              \
+    const int l2 = q4_to_l2;                                                                                         \
+    const int64_t ahead = l2 ? 2 * PF8 : PF8;                                                                        \
     memset(acc, 0, sizeof(float) * 32 * (size_t)rows);                                                              \
     for (int64_t g = 0; g < groups; g++) {                                                                           \
       __m512i b[TILES][8];                                                                                           \
       __m512 dg[TILES];                                                                                              \
       for (int t = 0; t < TILES; t++) {                                                                              \
-        for (int u = 0; u < 8; u++) /* the weights PF8 groups ahead (past a tile's end: the next tiles') */         \
-          _mm_prefetch((const char *)(w + t * stride + (g + PF8) * TILE_BYTES8 + 64 * u), _MM_HINT_T0);              \
-        _mm_prefetch((const char *)(d + t * groups * TILE + (g + PF8) * TILE), _MM_HINT_T0);                         \
+        for (int u = 0; u < 8; u++) /* the weights `ahead` groups ahead (past a tile's end: the next tiles') */     \
+          PREFETCH_W(w + t * stride + (g + ahead) * TILE_BYTES8 + 64 * u, l2);                                       \
+        PREFETCH_W(d + t * groups * TILE + (g + ahead) * TILE, l2);                                                  \
         for (int u = 0; u < 8; u++)                                                                                  \
           b[t][u] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w + t * stride + g * TILE_BYTES8 + 64 * u)), shift); \
         dg[t] = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(d + t * groups * TILE + g * TILE)));               \
