@@ -189,3 +189,19 @@ def test_bench_llamacpp_runs_or_says_in_one_sentence_why_not(tmp_path):
         assert rows == ["baseline"] and "llama.cpp is not installed" in result.stderr
     else:
         assert rows == ["baseline", "llamacpp"]
+
+
+def test_the_program_freezes_its_objects_for_the_exit(monkeypatch):
+    """`medusa-chat` (app.main:entry) returns main's status with the process's objects frozen, so
+    the interpreter's last collection does not walk them."""
+    import gc
+
+    import app.main
+
+    monkeypatch.setattr(app.main, "main", lambda: 3)
+    gc.unfreeze()
+    try:
+        assert app.main.entry() == 3
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
