@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from core.decode.tree import build_tree, check_fits, load_tree, preset_names
+from core.decode.tree import build_tree, check_fits, from_parents, load_tree, preset_names
 from core.errors import UserError
 
 # Hand-checked tree: root 0; [0]→1, [1]→2, [0,0]→3, [0,1]→4, [1,0]→5
@@ -93,3 +93,14 @@ def test_tree_from_file_and_unknown_name(tmp_path):
     bad.write_text("[[0], ")
     with pytest.raises(UserError, match="not readable JSON"):
         load_tree(str(bad))
+
+
+def test_a_nodes_path_is_made_once_and_stays_right():
+    """`path_to` keeps each node's path (trees recur from step to step): the same tensor again,
+    equal to the ancestors read from the mask, for every node of a tree."""
+    tree = from_parents([0, 0, 0, 1, 1, 3], [-1, 0, 1, 0, 1, 0])
+    for node in range(tree.size):
+        want = tree.visible[node].nonzero().squeeze(1)
+        first = tree.path_to(node)
+        assert torch.equal(first, want) and tree.path_to(node) is first
+    assert tree.path_to(5).tolist() == [0, 1, 3, 5]

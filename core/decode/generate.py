@@ -180,7 +180,7 @@ class _Reply:
         return StepEvent(
             step, tuple(new), self.detok.push(new), result.accepted, tuple(nodes), tuple(draft.tokens.tolist()),
             draft.tree.size, end - t0, rate,
-            sources=tuple(kinds[i] for i in nodes[1:]), parents=tuple(draft.tree.parent.tolist()), node_sources=kinds,
+            sources=tuple(kinds[i] for i in nodes[1:]), parents=tuple(draft.tree.parents), node_sources=kinds,
             draft_seconds=drafting,
             choice=choice.reason if choice else "", expected_tokens=choice.expected_tokens if choice else 0.0,
             expected_ms=choice.expected_ms if choice else 0.0,
