@@ -207,8 +207,9 @@ def prefetch_l2(hidden: int, inner: int, record: Path) -> bool:
 
 def _prefetch_l2_ratio(hidden: int, inner: int) -> float:
     """The weights prefetched to L1's median time over L2's for one and four rows, added up: over
-    `STREAMED` weights, which no CPU's cache holds, as a 1-8B model's layers are read."""
-    copies = max(1, STREAMED // (2 * inner * hidden))
+    `STREAMED` weights (64 copies of the shapes at most), which no 2-core share of a CPU's cache
+    holds, as a 1-8B model's layers are read."""
+    copies = max(1, min(64, STREAMED // (2 * inner * hidden)))  # 64: a tiny test model's shapes time fast
     ratios = _by_turns(hidden, inner, (1, 4), lambda on, layers: q4.use_prefetch_l2(on), copies)
     return sum(ratios.values()) / len(ratios)
 
