@@ -93,11 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         return report(e)
 
 
-def entry() -> int:
+def entry(argv: list[str] | None = None) -> int:
     """The `medusa-chat` program: `main`, then its objects frozen for the exit, whose last garbage
     collection would otherwise walk every object torch and transformers made (0.6-1.2 s of a
     `generate` on two cores; the memory goes back to the system either way)."""
-    code = main()
+    code = main(argv)
     gc.freeze()
     return code
 

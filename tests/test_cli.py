@@ -198,7 +198,7 @@ def test_the_program_freezes_its_objects_for_the_exit(monkeypatch):
 
     import app.main
 
-    monkeypatch.setattr(app.main, "main", lambda: 3)
+    monkeypatch.setattr(app.main, "main", lambda argv: 3)
     gc.unfreeze()
     try:
         assert app.main.entry() == 3
