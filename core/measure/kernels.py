@@ -170,17 +170,8 @@ def _amx_ratios(hidden: int, inner: int) -> dict[int, float]:
 
 def avx_vnni(hidden: int, inner: int, record: Path) -> bool:
     """Whether the AVX2 variant's passes take AVX-VNNI here (`q4.use_avx_vnni`; the same bits):
-    whether one and eight rows through this model's MLP shapes take less time with it, timed by
-    turns. Measured once per machine, shape and kernel library, and remembered; a new measurement
-    turns an earlier choice over only when the ratio is clearly on the other side."""
-    if not q4.avx_vnni():
-        return False
-
-    def decide(earlier: bool | None) -> bool:
-        ratio = _avx_vnni_ratio(hidden, inner)  # AVX2's time over AVX-VNNI's
-        return earlier if earlier is not None and abs(ratio - 1) < CLEAR_WIN - 1 else ratio > 1
-
-    return recall(record, record_key(f"avx-vnni {hidden}x{inner}"), bool, decide)
+    whether one and eight rows through this model's MLP shapes take less time with it."""
+    return _flavor("avx-vnni", q4.avx_vnni(), lambda: _avx_vnni_ratio(hidden, inner), hidden, inner, record)
 
 
 def _avx_vnni_ratio(hidden: int, inner: int) -> float:
@@ -192,17 +183,23 @@ def _avx_vnni_ratio(hidden: int, inner: int) -> float:
 def prefetch_l2(hidden: int, inner: int, record: Path) -> bool:
     """Whether the few-row and 8-bit passes prefetch the weights to L2 here (`q4.use_prefetch_l2`;
     the same bits): whether one and four rows through this model's MLP shapes, from memory, take
-    less time so, timed by turns. Measured once per machine, shape and kernel library, and
-    remembered; a new measurement turns an earlier choice over only when the ratio is clearly on
-    the other side."""
-    if not q4.prefetch_l2():
+    less time so."""
+    return _flavor("prefetch l2", q4.prefetch_l2(), lambda: _prefetch_l2_ratio(hidden, inner), hidden, inner, record)
+
+
+def _flavor(name: str, available: bool, ratio, hidden: int, inner: int, record: Path) -> bool:
+    """Whether a flavor of the kernels (the same bits on or off) is taken here, where `available`:
+    whether `ratio()`, its median time off over on timed by turns, is above 1. Measured once per
+    machine, shape and kernel library, and remembered; a new measurement turns an earlier choice
+    over only when the ratio is clearly on the other side."""
+    if not available:
         return False
 
     def decide(earlier: bool | None) -> bool:
-        ratio = _prefetch_l2_ratio(hidden, inner)  # L1's time over L2's
-        return earlier if earlier is not None and abs(ratio - 1) < CLEAR_WIN - 1 else ratio > 1
+        measured = ratio()
+        return earlier if earlier is not None and abs(measured - 1) < CLEAR_WIN - 1 else measured > 1
 
-    return recall(record, record_key(f"prefetch l2 {hidden}x{inner}"), bool, decide)
+    return recall(record, record_key(f"{name} {hidden}x{inner}"), bool, decide)
 
 
 def _prefetch_l2_ratio(hidden: int, inner: int) -> float:
