@@ -207,7 +207,7 @@ def cpu_choice(config: object | None, dtype: str | None, int4: bool) -> kernels.
     if int4:  # the 4-bit kernels' flavors first: the kernels are then timed as they will run
         q4.use_amx(kernels.amx_rows(hidden, inner, record))
         q4.use_avx_vnni(kernels.avx_vnni(hidden, inner, record))
-        q4.use_prefetch_l2(kernels.prefetch_l2(hidden, inner, record))
+        kernels.prefetch_l2(hidden, inner, record)  # sets the library's prefetches as measured
     return kernels.choose(hidden, inner, dtype, int4, record)
 
 

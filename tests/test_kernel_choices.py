@@ -226,7 +226,11 @@ FLAVORS = {
     "avx-vnni": (q4, "avx_vnni", "avx-vnni 64x128", kernels, "_avx_vnni_ratio", lambda r: kernels.avx_vnni(64, 128, r)),
     "prefetch-l2": (
         q4, "prefetch_l2", "prefetch l2 64x128", kernels, "_prefetch_l2_ratio",
-        lambda r: kernels.prefetch_l2(64, 128, r),
+        lambda r: kernels.prefetch_l2(64, 128, r)[0],
+    ),
+    "prefetch-l2-8-bit": (
+        q4, "prefetch_l2", "prefetch l2 8-bit 64x128", kernels, "_prefetch_l2_ratio",
+        lambda r: kernels.prefetch_l2(64, 128, r)[1],
     ),
 }  # fmt: skip
 
@@ -246,6 +250,30 @@ def test_a_flavor_choice_is_remembered_and_turns_only_on_a_clear_ratio(flavor, t
             assert choose(record) is want  # remembered: nothing is timed
     monkeypatch.setattr(module, available, lambda: False)
     assert choose(tmp_path / "none.json") is False
+
+
+def test_the_prefetches_are_set_as_measured_and_named(tmp_path, monkeypatch):
+    """`prefetch_l2` leaves the library set to both kinds' choices (the 8-bit one timed with the
+    4-bit one set), and the forward's name says which kinds prefetch to L2."""
+    _library()
+    seen = []
+
+    def ratio(hidden, inner, bits, few=False):
+        seen.append((bits, few))
+        return {4: 1.3, 8: 0.8}[bits]
+
+    monkeypatch.setattr(kernels, "_prefetch_l2_ratio", ratio)
+    try:
+        assert kernels.prefetch_l2(64, 128, tmp_path / "record.json") == (True, False)
+        assert seen == [(4, False), (8, True)]
+        assert q4.flavors(0) == ", 4-bit weights prefetched to L2"
+        q4.use_prefetch_l2(True, True)
+        assert q4.flavors(0) == ", weights prefetched to L2"
+        q4.use_prefetch_l2(False, True)
+        assert q4.flavors(0) == ", 8-bit weights prefetched to L2"
+    finally:
+        q4.use_prefetch_l2(False, False)
+    assert q4.flavors(0) == ""
 
 
 def test_avx_vnni_is_not_taken_where_plain_avx2_is_emulated(monkeypatch):

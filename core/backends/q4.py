@@ -86,19 +86,22 @@ def prefetch_l2() -> bool:
     return library() is not None
 
 
-def use_prefetch_l2(on: bool) -> None:
-    """The few-row and 8-bit passes' weight prefetches to L2 (on) or L1 (common.h's PREFETCH_W; the
-    same bits either way), where the library runs."""
+def use_prefetch_l2(few: bool, eight: bool) -> None:
+    """The 4- and 5-bit one-to-four-row passes' weight prefetches (`few`) and the 8-bit passes'
+    (`eight`) to L2, else L1 (common.h's PREFETCH_W; the same bits either way), where the library
+    runs."""
     if prefetch_l2():
-        library().q4_prefetch_l2(int(on))
-        _state["prefetch-l2"] = bool(on)
+        library().q4_prefetch_l2(int(few) | int(eight) << 1)
+        _state["prefetch-l2"] = (bool(few), bool(eight))
 
 
 def flavors(amx_rows: int) -> str:
     """The kernel flavors in use beyond the variant ("" when none): AVX-VNNI, AMX from a row count
     (`amx_rows`: a weight's, see `Packed.amx`), weights prefetched to L2."""
     amx = f", AMX from {amx_rows} rows" if amx_rows else ""
-    l2 = ", weights prefetched to L2" if _state.get("prefetch-l2") else ""
+    few, eight = _state.get("prefetch-l2", (False, False))
+    l2 = {(True, True): "", (True, False): "4-bit ", (False, True): "8-bit "}.get((few, eight))
+    l2 = "" if l2 is None else f", {l2}weights prefetched to L2"
     return f"{', AVX-VNNI' if _state.get('avx-vnni') else ''}{amx}{l2}"
 
 

@@ -180,11 +180,33 @@ def _avx_vnni_ratio(hidden: int, inner: int) -> float:
     return sum(ratios.values()) / len(ratios)
 
 
-def prefetch_l2(hidden: int, inner: int, record: Path) -> bool:
-    """Whether the few-row and 8-bit passes prefetch the weights to L2 here (`q4.use_prefetch_l2`;
-    the same bits): whether one and four rows through this model's MLP shapes, from memory, take
-    less time so."""
-    return _flavor("prefetch l2", q4.prefetch_l2(), lambda: _prefetch_l2_ratio(hidden, inner), hidden, inner, record)
+def prefetch_l2(hidden: int, inner: int, record: Path) -> tuple[bool, bool]:
+    """Whether the 4- and 5-bit few-row passes, then the 8-bit passes, prefetch the weights to L2
+    here (`q4.use_prefetch_l2`, set to them; the same bits): whether one and four rows through this
+    model's MLP shapes at those bits, from memory, take less time so."""
+    few = _flavor("prefetch l2", q4.prefetch_l2(), lambda: _prefetch_l2_ratio(hidden, inner, 4), hidden, inner, record)
+    q4.use_prefetch_l2(few, False)
+    eight = _flavor(
+        "prefetch l2 8-bit", q4.prefetch_l2(), lambda: _prefetch_l2_ratio(hidden, inner, 8, few), hidden, inner, record
+    )
+    q4.use_prefetch_l2(few, eight)
+    return few, eight
+
+
+def _prefetch_l2_ratio(hidden: int, inner: int, bits: int, few: bool = False) -> float:
+    """The `bits`-bit weights prefetched to L1's median time over L2's for one and four rows, added
+    up (8 bits: with the 4-bit passes' as `few`): over `STREAMED` weights (64 copies of the shapes
+    at most), which no 2-core share of a CPU's cache holds, as a 1-8B model's layers are read."""
+    copies = max(1, min(64, STREAMED // (2 * inner * hidden)))  # 64: a tiny test model's shapes time fast
+
+    def switch(on: bool, layers: list) -> None:
+        if bits == 8:
+            q4.use_prefetch_l2(few, on)
+        else:
+            q4.use_prefetch_l2(on, False)
+
+    ratios = _by_turns(hidden, inner, (1, 4), switch, copies, bits)
+    return sum(ratios.values()) / len(ratios)
 
 
 def _flavor(name: str, available: bool, ratio, hidden: int, inner: int, record: Path) -> bool:
@@ -202,24 +224,17 @@ def _flavor(name: str, available: bool, ratio, hidden: int, inner: int, record: 
     return recall(record, record_key(f"{name} {hidden}x{inner}"), bool, decide)
 
 
-def _prefetch_l2_ratio(hidden: int, inner: int) -> float:
-    """The weights prefetched to L1's median time over L2's for one and four rows, added up: over
-    `STREAMED` weights (64 copies of the shapes at most), which no 2-core share of a CPU's cache
-    holds, as a 1-8B model's layers are read."""
-    copies = max(1, min(64, STREAMED // (2 * inner * hidden)))  # 64: a tiny test model's shapes time fast
-    ratios = _by_turns(hidden, inner, (1, 4), lambda on, layers: q4.use_prefetch_l2(on), copies)
-    return sum(ratios.values()) / len(ratios)
-
-
-def _by_turns(hidden: int, inner: int, counts: tuple[int, ...], switch, copies: int = 0) -> dict[int, float]:
-    """{rows: the median time of the 4-bit kernel on an MLP's two shapes with `switch(False,
+def _by_turns(
+    hidden: int, inner: int, counts: tuple[int, ...], switch, copies: int = 0, bits: int = 4
+) -> dict[int, float]:
+    """{rows: the median time of the `bits`-bit kernel on an MLP's two shapes with `switch(False,
     layers)` over that with `switch(True, layers)`}, the two timed by turns; left switched off.
     Over `copies` of the two (0: up to 8, `WORKING_SET` weights)."""
     count = copies or max(1, min(8, WORKING_SET // (inner * hidden)))  # 4-bit weights, beyond the CPU cache
     gen = torch.Generator().manual_seed(0)
     lib = q4.library()
     weights = [torch.randn(o, i, generator=gen) * 0.05 for o, i in ((inner, hidden), (hidden, inner))]
-    layers = [q4.Packed(lib, weight, None) for _ in range(count) for weight in weights]
+    layers = [q4.Packed(lib, weight, None, bits) for _ in range(count) for weight in weights]
     del weights
     ratios = {}
     with torch.inference_mode():

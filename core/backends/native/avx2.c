@@ -64,7 +64,7 @@ T256 void q4_quantize256(const uint16_t *x, int64_t k, int8_t *p, float *e, floa
     const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1); /* ones: AVX2's FINISH */               \
     (void)ones;                                                                                                      \
     float acc[R][16];                                                                                                \
-    const int l2 = q4_to_l2;                                                                                         \
+    const int l2 = (q4_to_l2 & L2_FEW) != 0;                                                                         \
     const int64_t ahead = l2 ? 2 * PF_TILE : PF_TILE;                                                                \
     memset(acc, 0, sizeof acc);                                                                                      \
     for (int64_t g = 0; g < groups; g++) {                                                                           \
@@ -156,7 +156,7 @@ static const tile_fn tiles256[2][2][ROWS256 + 1] = { /* [AVX-VNNI][5-bit][rows] 
                                  const float *e, int64_t k, const float *bias, uint16_t *y, int64_t ldy) {        \
     const __m256i ones = _mm256_set1_epi16(1); /* AVX2's DOT */                                                      \
     (void)ones;                                                                                                      \
-    const int l2 = q4_to_l2;                                                                                         \
+    const int l2 = (q4_to_l2 & L2_EIGHT) != 0;                                                                       \
     const int64_t ahead = l2 ? 2 * PF_TILE : PF_TILE;                                                                \
     for (int half = 0; half < 2; half++) {                                                                           \
       __m256 acc[R];                                                                                                 \

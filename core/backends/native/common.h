@@ -221,11 +221,14 @@ T256 static inline __m256i fifth256(uint32_t bits) {
                             HALVES256((st).m + STEP_AT(st, groups, t, g) + 8 * (h)))                                 \
    : (st).m ? HALVES256((st).m + STEP_AT(st, groups, t, g) + 8 * (h))                                                \
             : _mm256_mul_ps((dg), _mm256_set1_ps(-8.0f)))
-/* Where the few-row passes prefetch the weights (q4_prefetch_l2): to L1 (0: `prefetcht0`, PF groups
- * ahead), or to L2 (1: `prefetcht1`, twice as far), which the memory streams faster into on some CPUs
- * (an AMD EPYC, Zen 4: one row of 1.7B-shape weights 24 → 26 GB/s, the embedded model's +28 %, AVX2
- * +11 %). Chosen by timing both on the machine (core/measure/kernels.py); the same bits either way. */
+/* Where the few-row and 8-bit passes prefetch the weights (q4_prefetch_l2, each kind apart): to L1
+ * (`prefetcht0`, PF groups ahead), or to L2 (`prefetcht1`, twice as far), which the memory streams
+ * faster into on some CPUs (an AMD EPYC, Zen 4: one row of 1.7B-shape weights 24 → 26 GB/s, the embedded
+ * model's +28 %, 8-bit weights +18 %; with the AVX2 kernels 8-bit +15-20 %, 4-bit not). Chosen by timing
+ * each kind both ways on the machine (core/measure/kernels.py); the same bits either way. */
 extern int q4_to_l2;
+#define L2_FEW 1   /* the 4- and 5-bit passes of one to four rows */
+#define L2_EIGHT 2 /* the 8-bit passes */
 #define PREFETCH_W(p, l2)                                                                                            \
   do {                                                                                                               \
     if (l2)                                                                                                          \

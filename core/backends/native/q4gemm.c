@@ -33,13 +33,14 @@
 #define PF_ROWS 12 /* a one-to-four-row pass (reg512; to L2: twice as far) */
 #define PF8 6      /* an 8-bit pass (pair512_8; to L2: twice as far) */
 
-int q4_version(void) { return 28; }
+int q4_version(void) { return 29; }
 
-int q4_to_l2; /* common.h's PREFETCH_W */
+int q4_to_l2; /* common.h's PREFETCH_W: which passes prefetch to L2 (L2_FEW, L2_EIGHT) */
 
-/* The few-row and 8-bit passes' weight prefetches to L2 (on: 1) or L1 (0). Returns 0. */
-int q4_prefetch_l2(int on) {
-  q4_to_l2 = on != 0;
+/* Which passes prefetch their weights to L2 rather than L1: the 4- and 5-bit one-to-four-row
+ * passes (bit L2_FEW), the 8-bit passes (bit L2_EIGHT). Returns 0. */
+int q4_prefetch_l2(int which) {
+  q4_to_l2 = which & (L2_FEW | L2_EIGHT);
   return 0;
 }
 
@@ -293,7 +294,7 @@ PAIR512(2, 1, pair512_5)
     const __m512i low = _mm512_set1_epi8(15);                                                                       \
     const int64_t stride = groups * TILE_BYTES;                                                                      \
     __m512 acc[R][2];                                                                                                \
-    const int l2 = q4_to_l2;                                                                                         \
+    const int l2 = (q4_to_l2 & L2_FEW) != 0;                                                                         \
     const int64_t ahead = l2 ? 2 * PF_ROWS : PF_ROWS; /* groups ahead */                                            \
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();                                       \
     for (int64_t g = 0; g < groups; g++) {                                                                           \
@@ -371,7 +372,7 @@ static const reg_fn regs512[2][5] = {{0, reg512_1, reg512_2, reg512_3, reg512_4}
                                      uint16_t *y, int64_t ldy, float *acc) {                                      \
     const int64_t stride = groups * TILE_BYTES8;                                                                     \
     const __m512i shift = _mm512_set1_epi8((char)0x80);                                                              \
-    const int l2 = q4_to_l2;                                                                                         \
+    const int l2 = (q4_to_l2 & L2_EIGHT) != 0;                                                                       \
     const int64_t ahead = l2 ? 2 * PF8 : PF8;                                                                        \
     memset(acc, 0, sizeof(float) * 32 * (size_t)rows);                                                              \
     for (int64_t g = 0; g < groups; g++) {                                                                           \
