@@ -242,7 +242,7 @@ T512 static void quantize_512(const uint16_t *x, int64_t k, int8_t *p, float *e,
       for (int t = 0; t < TILES; t++) {                                                                              \
         const uint8_t *wg = w + t * stride + g * TILE_BYTES;                                                        \
         for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(wg + PF * TILE_BYTES + 64 * l), _MM_HINT_T0);        \
-        if ((g + PF) % 2 == 0) prefetch_steps(st, groups, t, g + PF, 0);                                               \
+        if ((g + PF) % 2 == 0) prefetch_steps(st, groups, t, g + PF, 0);                                             \
         for (int h = 0; h < 4; h++) {                                                                                \
           __m512i v = _mm512_loadu_si512((const void *)(wg + 64 * h));                                               \
           b[t][2 * h] = _mm512_and_si512(v, low);                                                                    \
