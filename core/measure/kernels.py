@@ -16,6 +16,7 @@ import contextlib
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -183,7 +184,8 @@ def _avx_vnni_ratio(hidden: int, inner: int) -> float:
 def prefetch_l2(hidden: int, inner: int, record: Path) -> tuple[bool, bool]:
     """Whether the 4- and 5-bit few-row passes, then the 8-bit passes, prefetch the weights to L2
     here (`q4.use_prefetch_l2`, set to them; the same bits): whether one and four rows through this
-    model's MLP shapes at those bits, from memory, take less time so."""
+    model's MLP shapes at those bits, from memory, take less time so. The library's setting is the
+    process's: the last model loaded sets it (a draft model beside its target, measured alike)."""
     few = _flavor("prefetch l2", q4.prefetch_l2(), lambda: _prefetch_l2_ratio(hidden, inner, 4), hidden, inner, record)
     q4.use_prefetch_l2(few, False)
     eight = _flavor(
@@ -209,7 +211,7 @@ def _prefetch_l2_ratio(hidden: int, inner: int, bits: int, few: bool = False) ->
     return sum(ratios.values()) / len(ratios)
 
 
-def _flavor(name: str, available: bool, ratio, hidden: int, inner: int, record: Path) -> bool:
+def _flavor(name: str, available: bool, ratio: Callable[[], float], hidden: int, inner: int, record: Path) -> bool:
     """Whether a flavor of the kernels (the same bits on or off) is taken here, where `available`:
     whether `ratio()`, its median time off over on timed by turns, is above 1. Measured once per
     machine, shape and kernel library, and remembered; a new measurement turns an earlier choice
@@ -230,7 +232,7 @@ def _by_turns(
     """{rows: the median time of the `bits`-bit kernel on an MLP's two shapes with `switch(False,
     layers)` over that with `switch(True, layers)`}, the two timed by turns; left switched off.
     Over `copies` of the two (0: up to 8, `WORKING_SET` weights)."""
-    count = copies or max(1, min(8, WORKING_SET // (inner * hidden)))  # 4-bit weights, beyond the CPU cache
+    count = copies or max(1, min(8, WORKING_SET // (inner * hidden)))  # beyond the CPU cache
     gen = torch.Generator().manual_seed(0)
     lib = q4.library()
     weights = [torch.randn(o, i, generator=gen) * 0.05 for o, i in ((inner, hidden), (hidden, inner))]
