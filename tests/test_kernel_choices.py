@@ -309,6 +309,21 @@ def test_the_attention_kernel_is_remembered_and_turns_only_on_a_clear_gain(tmp_p
     assert cpu_attention.attention_kernel(9, 3, 64, 30, tmp_path / "none.json") == "vectors"
 
 
+def test_a_kernels_gain_is_its_average_unless_one_row_loses_too_much(monkeypatch):
+    """A kernel's gain over vectors is its average over `ROWS`, or its one-row ratio where a one-token
+    step's attention loses more than `ONE_ROW_LOSS` with it (what plain decoding runs)."""
+    monkeypatch.setattr(cpu_attention, "_caches", lambda *shape: [])
+    monkeypatch.setattr(q4, "library", lambda: None)
+    edge = 1 - cpu_attention.ONE_ROW_LOSS
+    for ratios, want in (
+        ((1.2, 1.5, 1.8), 1.5),
+        ((edge + 0.01, 1.7, 2.0), (edge + 3.71) / 3),
+        ((edge - 0.01, 2.0, 2.0), edge - 0.01),
+    ):
+        monkeypatch.setattr(cpu_attention, "_ratios", lambda heads, d, runs, r=ratios: list(r))
+        assert cpu_attention._gain("dot", 9, 3, 64, 30, 8) == pytest.approx(want), ratios
+
+
 def test_the_attention_kernel_is_measured_on_this_machine(tmp_path):
     """Where the CPU runs a kernel beyond vectors, each is timed (gains in a sane range), the choice is
     one of them and remembered; a model loaded after it names it in its forward."""

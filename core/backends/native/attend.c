@@ -73,18 +73,23 @@
 
 /* s[m·padded + j] = qf_m · key j for G queries (qf: G rows of d floats) and the keys [j0, j1)
  * (keys from `length` on read key length - 1: the caller masks them). The callers go over the
- * keys in spans of SPAN, every group of queries in turn on a span (its keys stay in cache). */
+ * keys in spans of SPAN, every group of queries in turn on a span (its keys stay in cache); the
+ * first group also prefetches 8-bit values to L2 (v; NULL: none), whose scales WEIGHTED reads next
+ * (their first touch there stalled a one-token step's attention ~10 % at 4,000 keys). */
 #define SPAN 256
 #define AHEAD_KEYS 16 /* keys ahead whose keys and values a pass prefetches (past the end: a hint, never read) */
 #define SCORES(NAME, TARGET, VEC, W, P, F, REDUCE4, GQ)                                                              \
-  TARGET ALWAYS void NAME##_g(const int G, int64_t D, const float *qf, const F##_T *k, int64_t length,               \
-                              int64_t padded, int64_t from, int64_t to, float *s) {                                  \
+  TARGET ALWAYS void NAME##_g(const int G, int64_t D, const float *qf, const F##_T *k, const F##_T *v,             \
+                              int64_t length, int64_t padded, int64_t from, int64_t to, float *s) {                  \
     int64_t d = W * D;                                                                                               \
     for (int64_t j0 = from; j0 < to; j0 += 4) {                                                                      \
       const F##_T *kj[4];                                                                                            \
       for (int jj = 0; jj < 4; jj++) kj[jj] = k + (j0 + jj < length ? j0 + jj : length - 1) * F##_ROW(d);            \
       for (int64_t b = 0; b < 4 * F##_ROW(d) * (int64_t)sizeof(F##_T); b += 64)                                      \
         _mm_prefetch((const char *)(k + (j0 + AHEAD_KEYS) * F##_ROW(d)) + b, _MM_HINT_T0);                           \
+      if (F##_FOLD && v) /* WEIGHTED reads their scales before VALUES (bf16: VALUES prefetches its own) */         \
+        for (int64_t b = 0; b < 4 * F##_ROW(d) * (int64_t)sizeof(F##_T); b += 64)                                    \
+          _mm_prefetch((const char *)(v + (j0 + AHEAD_KEYS) * F##_ROW(d)) + b, _MM_HINT_T1);                         \
       VEC r[GROUP_MAX][4], key[4];                                                                                   \
       for (int jj = 0; jj < 4; jj++) key[jj] = F##_LOAD##W(kj[jj]);                                                  \
       for (int m = 0; m < G; m++) {                                                                                  \
@@ -102,13 +107,13 @@
         _mm_storeu_ps(s + m * padded + j0, F##_KEYS4(REDUCE4(r[m][0], r[m][1], r[m][2], r[m][3]), kj, d));           \
     }                                                                                                                \
   }                                                                                                                  \
-  TARGET static void NAME(int64_t n, int64_t d, const float *qf, const F##_T *k, int64_t length, int64_t padded,     \
-                          float *s) {                                                                                \
+  TARGET static void NAME(int64_t n, int64_t d, const float *qf, const F##_T *k, const F##_T *v, int64_t length,   \
+                          int64_t padded, float *s) {                                                                \
     for (int64_t from = 0; from < padded; from += SPAN) {                                                            \
       int64_t to = padded - from < SPAN ? padded : from + SPAN;                                                      \
       for (int64_t m = 0; m < n; m += GQ) {                                                                          \
         int64_t g = n - m < GQ ? n - m : GQ;                                                                         \
-        BY_GROUP(GQ, g, NAME##_g, d / W, qf + m * d, k, length, padded, from, to, s + m * padded);                   \
+        BY_GROUP(GQ, g, NAME##_g, d / W, qf + m * d, k, m ? 0 : v, length, padded, from, to, s + m * padded);        \
       }                                                                                                              \
     }                                                                                                                \
   }
@@ -232,7 +237,7 @@ WEIGHTED(weighted256_8, values256_8, exps256, sums256, top256, T256, I8)
 #define ATTEND(NAME, SCORES, WEIGHTED, TARGET, F)                                                                    \
   TARGET void NAME(ATTEND_ARGS) {                                                                                    \
     const F##_T *k = keys, *v = values;                                                                              \
-    SCORES(n, d, qf, k + from * F##_ROW(d), to - from, PADDED(to - from), work);                                     \
+    SCORES(n, d, qf, k + from * F##_ROW(d), v + from * F##_ROW(d), to - from, PADDED(to - from), work);              \
     WEIGHTED(n, d, v, from, to, open, mask, work, top, total, acc);                                                  \
   }
 ATTEND(attend512, scores512, weighted512, T512, BF)

@@ -369,6 +369,8 @@ TAMXB void q4_part_amx(int amx, int kv8, int64_t n, int64_t d, const uint16_t *c
   if (amx == 2) weights_at(scratch + 256 + 24 * d + 64, length, seen, &w);
   if (kv8) {
     const int8_t *ahead = wide ? 0 : (const int8_t *)vp; /* values to prefetch with the keys (not yet widened) */
+    for (int64_t j = 0; ahead && amx == 2 && j < length; j++) /* the line of each value's scale, read first by */
+      _mm_prefetch((const char *)(ahead + j * KV8_ROW(d) + d), _MM_HINT_T1); /* weights_amx (one row: 1-8 % less) */
     q4_scores_amx8(dot, n, d, q, scale, (const int8_t *)kp, ahead, length, padded, scratch, (int8_t *)qt,
                    (int8_t *)(qt + 8 * d), (float *)(qt + 24 * d), scores);
     if (amx != 2) weighted512_8(n, d, v, from, to, open, mask, scores, top, total, acc);
