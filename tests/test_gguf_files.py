@@ -368,3 +368,30 @@ def test_auto_quantization_on_a_cpu_is_int4_for_a_model_the_lean_forward_serves(
     full = load_backbone(spec.name, device="cpu", quantization="none", spec=spec)
     assert full.backend.layer_kernel not in ("int4", "q4") and full.model.dtype in (torch.float32, torch.bfloat16)
     assert "4-bit" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spaced", [False, True], ids=["compacted", "a-token-with-a-space"])
+def test_a_descriptions_merges_are_compacted_and_tokenize_the_same(tmp_path, spaced):
+    """Merges written as "a b" strings (a smaller load) tokenize as the pairs did; a vocabulary
+    whose merged tokens hold a space keeps its pairs (a string would not split back)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from models.gguf_files import compact_merges
+
+    text = ["the quick brown fox jumps over the lazy dog", "a tokenizer's merges, merged again and again"] * 50
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    if not spaced:
+        tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(text, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>"]))
+    file = tmp_path / "tokenizer.json"
+    tokenizer.save(str(file))
+    pairs = json.loads(file.read_text(encoding="utf-8"))["model"]["merges"]
+    assert pairs and all(isinstance(m, list) for m in pairs)
+    assert any(" " in part for m in pairs for part in m) == spaced
+
+    compact_merges(file)
+    merges = json.loads(file.read_text(encoding="utf-8"))["model"]["merges"]
+    assert merges == (pairs if spaced else [f"{a} {b}" for a, b in pairs])
+    compacted = Tokenizer.from_file(str(file))
+    for line in text[:2] + ["foxes jump; dogs are lazy", "qqq zz"]:
+        assert compacted.encode(line).ids == tokenizer.encode(line).ids

@@ -115,6 +115,23 @@ def tree_equals_plain(backend, prompt: list[int], n: int = 24, seed: int = 1) ->
 # ---- the writer ----
 
 
+def test_a_files_config_is_read_without_its_vocabulary_as_transformers_legacy_reader_reads_it(random_files, gemma):
+    """`models.gguf_config` (transformers' fast reader, which counts the vocabulary instead of
+    reading it) gives the config transformers' legacy reader (`GGUFReader`) makes, for each family
+    here: Gemma 3, Qwen2, Llama (and the embedded file)."""
+    from transformers.integrations.gguf import read_gguf_metadata
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from models.embedded import embedded_gguf
+    from models.gguf_config import config_of
+
+    files = [gemma, embedded_gguf(), random_files["Q4_0"][0], random_files["Q8_0"][0]]
+    for file in files:
+        ours = config_of(*read_gguf_metadata(str(file)))
+        assert ours == load_gguf_checkpoint(str(file), return_tensors=False)["config"], file
+    assert {config_of(*read_gguf_metadata(str(f)))["model_type"] for f in files} == {"gemma3_text", "llama", "qwen2"}
+
+
 def test_the_writer_writes_llama_cpp_s_mixes_and_each_tensor_reads_back_as_written(random_files):
     file, model, types = random_files["Q4_K_M"]
     wide = {f"blk.{i}.{t}.weight" for i in (2, 3) for t in ("attn_v", "ffn_down")}  # llama.cpp's use_more_bits of 4
