@@ -195,6 +195,7 @@ def fill(
             if reader is None or not reader.take(leaf, value):
                 _put(model, name, value)
             del value  # a packed weight's full-precision copy goes before the next is read
+            give_back_freed_memory()  # and its heap: Gemma 3 270M's load peaked ~4 MB lower than a trim a layer
         if name == embedding:
             shared = lean.share_vocabulary(model, head_kernel)
             give_back_freed_memory()
