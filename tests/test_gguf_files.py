@@ -395,3 +395,14 @@ def test_a_descriptions_merges_are_compacted_and_tokenize_the_same(tmp_path, spa
     compacted = Tokenizer.from_file(str(file))
     for line in text[:2] + ["foxes jump; dogs are lazy", "qqq zz"]:
         assert compacted.encode(line).ids == tokenizer.encode(line).ids
+
+
+def test_the_architectures_served_from_gguf_are_transformers_own():
+    """`supported_architectures` (read without transformers' conversion table, whose import brings
+    its loading machinery) equals transformers' tables, its conversion table's included."""
+    from transformers.integrations.gguf import GGUF_ARCHS
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    from models.gguf_files import NOT_CAUSAL, supported_architectures
+
+    assert supported_architectures() == (set(GGUF_SUPPORTED_ARCHITECTURES) | set(GGUF_ARCHS)) - NOT_CAUSAL

@@ -132,6 +132,25 @@ def test_a_files_config_is_read_without_its_vocabulary_as_transformers_legacy_re
     assert {config_of(*read_gguf_metadata(str(f)))["model_type"] for f in files} == {"gemma3_text", "llama", "qwen2"}
 
 
+def test_describing_gemma_imports_no_model_code_nor_loading_machinery(gemma, tmp_path):
+    """A GGUF file's first use (its checks, config and tokenizer) imports neither transformers'
+    model code nor its loading machinery (accelerate, torch.distributed, sympy): a first launch
+    kept them, ~110 MB, for its whole session. (Llama's config class imports them itself.)"""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; from pathlib import Path; from models import gguf_files\n"
+        f"gguf_files.describe(Path({str(gemma)!r}), Path({str(tmp_path / 'described')!r}))\n"
+        "heavy = ('accelerate', 'sympy', 'torch.distributed.tensor', 'transformers.modeling_utils')\n"
+        "print(','.join(m for m in heavy if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "", done.stdout
+    assert json.loads((tmp_path / "described" / "config.json").read_text())["architectures"] == ["Gemma3ForCausalLM"]
+
+
 def test_the_writer_writes_llama_cpp_s_mixes_and_each_tensor_reads_back_as_written(random_files):
     file, model, types = random_files["Q4_K_M"]
     wide = {f"blk.{i}.{t}.weight" for i in (2, 3) for t in ("attn_v", "ffn_down")}  # llama.cpp's use_more_bits of 4
