@@ -6,7 +6,7 @@ reading it) or its legacy reader, the `gguf` package's `GGUFReader`, which makes
 every string of the vocabulary. For Gemma 3's 262k tokens that took ~12 s and ~750 MB a read, and a
 GGUF file's first use read it three times (the checks, the config, the tokenizer's config). The
 families the lean forward serves get a builder here that does what the legacy reader does with
-their keys (equal to its result: `tests/test_gguf_files.py`); transformers' own builders win where
+their keys (equal to its result: `tests/test_gguf_real.py`); transformers' own builders win where
 it has them.
 """
 

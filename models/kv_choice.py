@@ -40,8 +40,8 @@ def faithful(backend, config, tokenizer, folder: Path, record: Path, rebuild):
 
 def _measure(backend, ids: torch.Tensor) -> float:
     """The divergence, its working copies (a 262k vocabulary's logits: MBs each) each given back
-    to the system when freed, not kept in the heap beside the model (+45 MB at Gemma 3 270M's
-    first launch)."""
+    to the system when freed, not kept in the heap beside the model (Gemma 3 270M's first
+    launch peaked 17 MB lower)."""
     from models.direct import give_back_freed_memory, large_blocks_apart
 
     print("checking this model's answers with 8-bit keys and values (once, two prompt reads)…", file=sys.stderr)
