@@ -12,6 +12,7 @@ it has them.
 
 from __future__ import annotations
 
+SERVED = ("gemma3", "llama", "mistral", "qwen2", "qwen3")  # the GGUF architectures the lean forward serves
 _RENAMED = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}  # as the legacy reader renames them
 _TEXT_ONLY = {"gemma3": "gemma3_text"}  # a GGUF file holds the text backbone only
 
@@ -19,8 +20,6 @@ _TEXT_ONLY = {"gemma3": "gemma3_text"}  # a GGUF file holds the text backbone on
 def register() -> None:
     """Builders for the served families in transformers' table (where it has none of its own)."""
     from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
-
-    from models.on_disk import SERVED
 
     for architecture in SERVED:
         GGUF_CONFIG_ARCHS.setdefault(architecture, config_of)

@@ -24,7 +24,7 @@ from core.drafters.eagle import EagleDraft, load_draft
 from core.drafters.retrieval import Corpus, load_corpus
 from core.errors import UserError
 from core.measure import costs, cpu_attention, kernels
-from models import catalog, direct, gguf_files, hub, kv_choice, light
+from models import catalog, direct, gguf_files, gguf_tokenizer, hub, kv_choice, light
 from models.choices import DTYPE_NAMES
 from models.cpu import transpose_linears
 from models.eagle_formats import EAGLE_FILES, load_published
@@ -277,7 +277,7 @@ def load_tokenizer(spec: ModelSpec):
     from transformers import AutoTokenizer
 
     if spec.gguf is not None and (Path(spec.tokenizer_folder) / "tokenizer.json").is_file():
-        return gguf_files.described_tokenizer(Path(spec.tokenizer_folder))
+        return gguf_tokenizer.described_tokenizer(Path(spec.tokenizer_folder))
     return AutoTokenizer.from_pretrained(spec.tokenizer_folder)
 
 

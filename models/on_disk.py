@@ -24,11 +24,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from models import catalog
+from models.gguf_config import SERVED  # the lean forward's; the loader is asked of others
 from models.headers import Unreadable, quantization, read_gguf, safetensors_parameters
 
 log = logging.getLogger(__name__)
 
-SERVED = ("gemma3", "llama", "mistral", "qwen2", "qwen3")  # the lean forward's; the loader is asked of others
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
 OLLAMA_REGISTRY, OLLAMA_LIBRARY = "registry.ollama.ai", "library"  # left out of names, as `ollama list` does
 

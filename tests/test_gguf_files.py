@@ -376,7 +376,7 @@ def test_a_descriptions_merges_are_compacted_and_tokenize_the_same(tmp_path, spa
     whose merged tokens hold a space keeps its pairs (a string would not split back)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    from models.gguf_files import compact_merges
+    from models.gguf_tokenizer import compact_merges
 
     text = ["the quick brown fox jumps over the lazy dog", "a tokenizer's merges, merged again and again"] * 50
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
