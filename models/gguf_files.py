@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -28,6 +29,7 @@ from core.errors import UserError
 from models import gguf_config, gguf_tokenizer
 
 GGUF_MAGIC = b"GGUF"
+USER_ERROR = 2  # the describing process's exit status for a file it cannot read (its sentence last on stderr)
 INDEX = "gguf-index.json"  # {absolute path: {"size", "mtime_ns", "sha256"}}, in cache_dir()
 NOT_CAUSAL = {"general", "tokenizer", "t5", "t5encoder", "umt5"}  # transformers reads them, but no chat model
 
@@ -153,8 +155,7 @@ def describe(gguf: Path, target: Path, what: str | None = None) -> Path:
     except OSError as e:
         raise UserError(f"The model cache {target.parent} cannot be written ({e.strerror or e}).") from e
     try:
-        with _no_progress_bar():
-            _write_description(gguf, tmp)
+        _write_description(gguf, tmp)
         if target.exists():
             shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
@@ -163,38 +164,45 @@ def describe(gguf: Path, target: Path, what: str | None = None) -> Path:
             raise UserError(f"The description of {gguf} could not be written ({e.strerror or e}).") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        _give_back_memory()
     return target
 
 
-def _give_back_memory() -> None:
-    """The reading's working memory given back before the weights load, not kept beside them (the
-    heap: ~90 MB after Gemma's 262k-token vocabulary, measured)."""
-    import gc
-
-    from models.direct import give_back_freed_memory
-
-    gc.collect()
-    give_back_freed_memory()
-
-
 def _write_description(gguf: Path, folder: Path) -> None:
+    """`_describe_here`, in a process of its own (`python -m models.gguf_files GGUF FOLDER`):
+    transformers' reading of a tokenizer leaves its modules and heap behind (a Llama file's config
+    class imports transformers' model-loading machinery: accelerate, torch.distributed, sympy), which
+    a launch would keep beside the weights for its whole session: the embedded file's first launch
+    peaked ~85 MB higher than its later ones. Its one sentence where the file cannot be read."""
+    root = str(Path(__file__).resolve().parent.parent)  # where `models` is, installed or not
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "models.gguf_files", str(gguf), str(folder)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    said = [line for line in done.stderr.splitlines() if line.strip()]
+    if done.returncode == USER_ERROR and said:
+        raise UserError(said[-1])
+    if done.returncode != 0:
+        why = said[-1] if said else f"exit status {done.returncode}"
+        raise UserError(f"{gguf} could not be read: the reading stopped ({why}).")
+    if said:  # transformers' warnings, as they would have been said in this process
+        print("\n".join(said), file=sys.stderr)
+
+
+def _describe_here(gguf: Path, folder: Path) -> None:
     """The config (as the conversion writes it), generation config and tokenizer of `gguf` in `folder`."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     gguf_config.register()  # its config (and the tokenizer's) read without the vocabulary
     try:
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with _no_progress_bar():
+            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except (ValueError, KeyError, IndexError, TypeError, RuntimeError, NotImplementedError) as e:
         raise UserError(f"{gguf} could not be read ({type(e).__name__}: {e}); the file may be damaged.") from e
     values = config.to_dict()
     values.pop("quantization_config", None)
     plain = type(config).from_dict(values)
-    # as a conversion has it, by name: the class itself would import transformers' model code (~1,100
-    # modules: torch.distributed, sympy, dynamo), ~110 MB a first launch then kept
-    plain.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    plain.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]  # by name: the class imports its code
     plain.save_pretrained(folder)
     GenerationConfig.from_model_config(plain).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -362,3 +370,18 @@ def _no_progress_bar():
             reader.tqdm = bar
         if shown:
             hf_logging.enable_progress_bar()
+
+
+def _main(argv: list[str]) -> int:
+    """`python -m models.gguf_files GGUF FOLDER`: `_describe_here`, a UserError's sentence last on
+    stderr with `USER_ERROR`."""
+    try:
+        _describe_here(Path(argv[0]), Path(argv[1]))
+    except UserError as e:
+        print(e, file=sys.stderr)
+        return USER_ERROR
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -406,3 +406,34 @@ def test_the_architectures_served_from_gguf_are_transformers_own():
     from models.gguf_files import NOT_CAUSAL, supported_architectures
 
     assert supported_architectures() == (set(GGUF_SUPPORTED_ARCHITECTURES) | set(GGUF_ARCHS)) - NOT_CAUSAL
+
+
+def test_the_describing_process_says_one_sentence_where_it_cannot_read_a_file(tmp_path, monkeypatch, capsys):
+    """A file is described by a process of its own: its UserError's sentence (last on its stderr,
+    exit status 2) becomes this process's, a crash is said in one sentence too, and on success its
+    warnings are passed on. The process itself: `_main` says the sentence and exits 2."""
+    import subprocess
+
+    from core.errors import UserError
+    from models import gguf_files
+
+    def ran(code: int, err: str):
+        return lambda *a, **k: subprocess.CompletedProcess(a[0], code, "", err)
+
+    monkeypatch.setattr(gguf_files.subprocess, "run", ran(2, "a warning\nX.gguf could not be read (KeyError: 'x').\n"))
+    with pytest.raises(UserError, match=r"^X.gguf could not be read \(KeyError: 'x'\)\.$"):
+        gguf_files._write_description(tmp_path / "X.gguf", tmp_path)
+    monkeypatch.setattr(gguf_files.subprocess, "run", ran(-11, ""))
+    with pytest.raises(UserError, match=r"could not be read: the reading stopped \(exit status -11\)\.$"):
+        gguf_files._write_description(tmp_path / "X.gguf", tmp_path)
+    monkeypatch.setattr(gguf_files.subprocess, "run", ran(0, "a tokenizer warning\n"))
+    gguf_files._write_description(tmp_path / "X.gguf", tmp_path)
+    assert capsys.readouterr().err == "a tokenizer warning\n"
+    monkeypatch.undo()
+
+    def refuses(gguf, folder):
+        raise UserError(f"{gguf} could not be read.")
+
+    monkeypatch.setattr(gguf_files, "_describe_here", refuses)
+    assert gguf_files._main([str(tmp_path / "Y.gguf"), str(tmp_path)]) == gguf_files.USER_ERROR
+    assert capsys.readouterr().err == f"{tmp_path / 'Y.gguf'} could not be read.\n"

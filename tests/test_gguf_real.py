@@ -133,9 +133,10 @@ def test_a_files_config_is_read_without_its_vocabulary_as_transformers_legacy_re
 
 
 def test_describing_gemma_imports_no_model_code_nor_loading_machinery(gemma, tmp_path):
-    """A GGUF file's first use (its checks, config and tokenizer) imports neither transformers'
-    model code nor its loading machinery (accelerate, torch.distributed, sympy): a first launch
-    kept them, ~110 MB, for its whole session. (Llama's config class imports them itself.)"""
+    """A GGUF file's first use (its checks, config and tokenizer) leaves neither transformers'
+    model code nor its loading machinery (accelerate, torch.distributed, sympy) in the launch's
+    process: a first launch kept them, ~110 MB, for its whole session. (The tokenizer is read by a
+    process of its own, since a Llama file's config class imports them itself.)"""
     import subprocess
     import sys
 
