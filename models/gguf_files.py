@@ -173,10 +173,10 @@ def _write_description(gguf: Path, folder: Path) -> None:
     class imports transformers' model-loading machinery: accelerate, torch.distributed, sympy), which
     a launch would keep beside the weights for its whole session: the embedded file's first launch
     peaked ~85 MB higher than its later ones. Its one sentence where the file cannot be read."""
-    root = str(Path(__file__).resolve().parent.parent)  # where `models` is, installed or not
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "models.gguf_files", str(gguf), str(folder)]
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    root = Path(__file__).resolve().parent.parent  # where `models` is, installed or not: the process runs
+    # there, so that a `models` package in the user's working folder cannot stand in for ours
+    command = [sys.executable, "-m", "models.gguf_files", os.path.abspath(gguf), os.path.abspath(folder)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=root)
     said = [line for line in done.stderr.splitlines() if line.strip()]
     if done.returncode == USER_ERROR and said:
         raise UserError(said[-1])

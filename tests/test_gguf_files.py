@@ -437,3 +437,17 @@ def test_the_describing_process_says_one_sentence_where_it_cannot_read_a_file(tm
     monkeypatch.setattr(gguf_files, "_describe_here", refuses)
     assert gguf_files._main([str(tmp_path / "Y.gguf"), str(tmp_path)]) == gguf_files.USER_ERROR
     assert capsys.readouterr().err == f"{tmp_path / 'Y.gguf'} could not be read.\n"
+
+
+def test_a_models_package_in_the_working_folder_does_not_stand_in_for_ours(files, tmp_path, monkeypatch):
+    """The describing process runs where our `models` package is: a user's working folder with a
+    `models` package of its own (and a relative path to the file) describes as anywhere else."""
+    from models import gguf_files
+
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "__init__.py").write_text("raise SystemExit('not ours')\n")
+    file = files["Q4_0"][0]
+    (tmp_path / "here.gguf").write_bytes(file.read_bytes())
+    monkeypatch.chdir(tmp_path)
+    folder = gguf_files.describe(Path("here.gguf"), tmp_path / "described")
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
