@@ -13,7 +13,8 @@ it has them.
 from __future__ import annotations
 
 SERVED = ("gemma3", "llama", "mistral", "qwen2", "qwen3")  # the GGUF architectures the lean forward serves
-_RENAMED = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}  # as the legacy reader renames them
+# GGUF architectures transformers' legacy reader calls by another name
+RENAMED = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
 _TEXT_ONLY = {"gemma3": "gemma3_text"}  # a GGUF file holds the text backbone only
 
 
@@ -32,7 +33,7 @@ def config_of(metadata: dict, tensor_names: tuple[str, ...]) -> dict:
 
     architecture = metadata["general.architecture"]
     updated = "mistral" if "llama" in architecture and metadata.get("general.name") == "mistral" else architecture
-    updated = _RENAMED.get(updated, updated)
+    updated = RENAMED.get(updated, updated)
     config = {"tie_word_embeddings": "output.weight" not in tensor_names}
     defaults = GGUF_CONFIG_DEFAULTS_MAPPING.get(updated) or GGUF_CONFIG_DEFAULTS_MAPPING.get(architecture) or {}
     for key, value in defaults.items():

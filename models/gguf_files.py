@@ -299,8 +299,7 @@ def supported_architectures() -> set[str]:
 
 def _renamed(architecture: str | None) -> str | None:
     """A file's architecture as transformers' loader spells it (qwen2moe is its qwen2_moe)."""
-    names = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
-    return names.get(architecture or "", architecture)
+    return gguf_config.RENAMED.get(architecture or "", architecture)
 
 
 def _check_types(gguf: Path, table: dict) -> None:
