@@ -44,6 +44,11 @@ class Entry:
     offset: int  # from the file's start
     length: int  # bytes
 
+    @property
+    def elements(self) -> int:
+        block, type_size = gguf.GGML_QUANT_SIZES[self.kind]
+        return self.length // type_size * block
+
 
 def tensor_table(path: Path) -> tuple[dict, dict[str, Entry]]:
     """A GGUF file's scalar metadata and its tensors by name (ValueError where the table does not

@@ -276,14 +276,7 @@ def check(gguf: Path) -> int:
             "tokenizer, as llama.cpp's converter writes it."
         )
     _check_types(gguf, table)
-    return 4 * sum(_elements(entry) for entry in table.values())
-
-
-def _elements(entry) -> int:
-    import gguf as gguf_package
-
-    block, size = gguf_package.GGML_QUANT_SIZES[entry.kind]
-    return entry.length // size * block
+    return 4 * sum(entry.elements for entry in table.values())
 
 
 def supported_architectures() -> set[str]:
