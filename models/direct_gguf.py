@@ -26,7 +26,7 @@ from torch import Tensor
 from core.backends import q4
 from core.backends.lean.packed import BITS
 from models import gguf_blocks
-from models.headers import _U32, _U64, _Cursor
+from models.headers import _U32, _U64, Unreadable, _Cursor
 
 WIDE = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"}  # quantized to over 4.5 bits a weight by choice
 SAME = slice(None)  # a tensor's rows in the file's order (`GgufFile._row_order`)
@@ -51,9 +51,11 @@ class Entry:
 
 
 def tensor_table(path: Path) -> tuple[dict, dict[str, Entry]]:
-    """A GGUF file's scalar metadata and its tensors by name (ValueError where the table does not
-    read or a tensor lies past the file's end)."""
+    """A GGUF file's scalar metadata and its tensors by name (`Unreadable` with its sentence where
+    it is no GGUF file or its header is cut short, ValueError where a tensor lies past its end)."""
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if bytes(buf[:4]) != b"GGUF":  # as `headers.read_gguf` checks it
+            raise Unreadable("it is not a GGUF file.")
         c = _Cursor(buf)
         c.pos = 8  # magic and version
         n_tensors, n_kv = c.take(_U64), c.take(_U64)

@@ -288,6 +288,12 @@ def _foreign(folder: Path) -> Path:
     return file
 
 
+def _not_gguf(folder: Path) -> Path:
+    file = folder / "notes.gguf"
+    file.write_text("not a model, though named like one\n")
+    return file
+
+
 def _empty(folder: Path) -> Path:
     file = folder / "empty.gguf"
     file.write_bytes(b"")
@@ -299,11 +305,12 @@ def _empty(folder: Path) -> Path:
     [
         (_truncated, "damaged or truncated"),
         (_empty, "damaged or truncated"),
+        (_not_gguf, "is damaged or truncated: it is not a GGUF file."),
         (_bare, "has no tokenizer"),
         (_foreign, "the bert architecture, which transformers cannot load from GGUF; it loads these families: "),
         (lambda folder: folder / "missing.gguf", "There is no GGUF file at"),
     ],
-    ids=["truncated", "empty", "no-tokenizer", "unsupported-architecture", "missing"],
+    ids=["truncated", "empty", "not-gguf", "no-tokenizer", "unsupported-architecture", "missing"],
 )
 def test_a_bad_gguf_file_is_refused_with_one_sentence(cache, tmp_path, capsys, make, says):
     file = make(tmp_path)
