@@ -19,7 +19,8 @@
  * applied after the scores, the weights in bf16), so a model runs one or the other for its whole
  * session (its measured choice: core/measure/cpu_attention.py). The 8-bit cache's own parts are in
  * attend_amx8.c. With AMX_DOT in `amx` (ISA_DOT) every tile product is made in AVX-512 vectors
- * instead (attend_dot.c), on a CPU without AMX.
+ * instead (attend_dot.c), on a CPU without AMX, and the 8-bit cache's weighted values in exact
+ * integers (q4_dot_values8).
  */
 #include "attend_amx.h"
 
@@ -234,10 +235,11 @@ typedef struct {
   uint16_t *pb, *pairs, *row;
   float *cs, *units, *dots;
   int own[AMX_QUERIES]; /* whether query m has products of its own from `shared` on (values_amx) */
+  int ints;             /* the weighted values in integers (q4_dot_values8): no bf16 weights to round */
 } weights;
 
 TAMXB static void weights_at(float *scratch, int64_t length, int64_t seen, weights *w) {
-  w->p32 = (length + 31) / 32 * 32, w->shared = seen / 32 * 32;
+  w->p32 = (length + 31) / 32 * 32, w->shared = seen / 32 * 32, w->ints = 0;
   w->pb = (uint16_t *)scratch, w->pairs = w->pb + 16 * w->p32, w->row = w->pairs + 4 * 512;
   w->cs = (float *)(w->row + 16 * 32), w->units = w->cs + 17 * 64, w->dots = w->units + w->p32;
 }
@@ -267,14 +269,14 @@ TAMXB static void weights_amx(int64_t n, int64_t d, const char *v, int kv8, cons
         if ((mask[m][from + j] & 0x7fff) != 0) sm[j] = -INFINITY;
     for (int64_t j = length; j < padded; j++) sm[j] = -INFINITY;
     float t = top[m] = top512(padded, sm);
-    memset(pb, 0, sizeof(uint16_t) * (size_t)w->p32);
+    if (!w->ints) memset(pb, 0, sizeof(uint16_t) * (size_t)w->p32);
     if (t == -INFINITY) { /* it sees no key of this part */
       memset(sm, 0, sizeof(float) * (size_t)padded);
       total[m] = 0.0f;
       continue;
     }
     __m512 sum = _mm512_setzero_ps(), tv = _mm512_set1_ps(t);
-    int64_t rounded = w->own[m] ? w->shared : padded; /* own: its products from `shared` on */
+    int64_t rounded = w->ints ? 0 : w->own[m] ? w->shared : padded; /* own: its products from `shared` on */
     for (int64_t j = 0; j < padded; j += 16) {
       __m512 x = _mm512_loadu_ps(sm + j);
       __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, hidden, _CMP_NEQ_OQ), exp512(_mm512_sub_ps(x, tv)));
@@ -379,7 +381,12 @@ TAMXB void q4_part_amx(int amx, int kv8, int64_t n, int64_t d, const uint16_t *c
                (uint16_t *)(qt + 8 * d), scores);
     if (amx != 2) weighted512(n, d, v, from, to, open, mask, scores, top, total, acc);
   }
-  if (amx == 2) {
+  if (amx == 2 && dot && kv8) { /* the weighted values in exact integers (attend_dot.c): no slots to keep */
+    w.ints = 1;
+    weights_amx(n, d, vp, kv8, wide ? wide_units + from : 0, from, to, seen, mask, scores, top, total, &w);
+    q4_dot_values8(n, d, (const int8_t *)vp, wide ? (const int16_t *)wide + from * d : 0, length, scores, padded,
+                   w.units, w.pb, w.p32, acc);
+  } else if (amx == 2) {
     weights_amx(n, d, vp, kv8, wide ? wide_units + from : 0, from, to, seen, mask, scores, top, total, &w);
     values_amx(dot, n, d, vp, kv8, wide ? wide + from * d : 0, length, seen, mask, from, scores, padded, acc, &w);
   }

@@ -11,7 +11,10 @@
  * the same bits either way, and a tree's node gets those of a one-token step. A weighted value's
  * lane sums its 32 keys' products in order, one pair at a time: the slots' discipline AMX needs
  * (values_amx) holds here too. The bits differ from AMX's in the weighted values' last places
- * (another order of sums) and equal them in the 8-bit scores (exact integers, scaled alike).
+ * (another order of sums) and equal them in the 8-bit scores (exact integers, scaled alike). The
+ * 8-bit cache's weighted values are not AMX's at all: exact integer sums of int16 weights
+ * (q4_dot_values8), a third fewer instructions a key than its bf16 tiles emulated, and no slots to
+ * keep.
  */
 #include "attend_amx.h"
 
@@ -140,5 +143,117 @@ TDOT void q4_dot_scores8_few(int64_t n, int64_t d, const uint32_t *qu, const int
     __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m], fix)), keys);
     _mm512_storeu_ps(s + m * padded, _mm512_mul_ps(x, _mm512_set1_ps(qs[m])));
   }
+}
+
+#define VALUE_GROUP 4 /* the queries whose sums are made together (4 vectors each for 64 dims; with 6, GCC
+                       * spilled them and the 64-row passes lost 25 %) */
+
+/* 64 dims of two keys' 8-bit values (b NULL: zeros) → x: their int16 pairs, dim by dim, in the order
+ * one unpack of 128-bit lanes gives (values8_g's `at` puts the sums back in order). */
+TDOT static inline __attribute__((always_inline)) void widen_pair(const int8_t *a, const int8_t *b, __m512i x[4]) {
+  __m512i ra = _mm512_loadu_si512(a), rb = b ? _mm512_loadu_si512(b) : _mm512_setzero_si512();
+  __m512i lo = _mm512_unpacklo_epi8(ra, rb), hi = _mm512_unpackhi_epi8(ra, rb);
+  x[0] = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(lo));
+  x[1] = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(lo, 1));
+  x[2] = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(hi));
+  x[3] = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(hi, 1));
+}
+
+/* Rows [0, count) of 8-bit values (KV8_ROW apart) widened once as values8_g reads them (two keys'
+ * pairs of every dim: 2d int16 a pair of keys, 64 dims at a time; a last odd key paired with zeros),
+ * their scales to `units`: what a many-row pass's query blocks share (step.c), so that each
+ * widens none. */
+TDOT void q4_dot_pairs16(const int8_t *rows, int64_t d, int64_t count, uint16_t *out, float *units) {
+  int64_t row = KV8_ROW(d);
+  for (int64_t j = 0; j < count; j += 2)
+    for (int64_t c = 0; c < d; c += 64) {
+      __m512i x[4];
+      widen_pair(rows + j * row + c, j + 1 < count ? rows + (j + 1) * row + c : 0, x);
+      for (int i = 0; i < 4; i++) _mm512_storeu_si512(out + ((j / 2 * (d / 64) + c / 64) * 4 + i) * 32, x[i]);
+    }
+  for (int64_t j = 0; j < count; j++) units[j] = kv8_scale(rows + j * row, d);
+}
+
+/* sums (G rows of d int32) = Σ_j w16[m][j] · value j (keys [0, length), two at a time) for G queries. */
+TDOT static inline __attribute__((always_inline)) void values8_g(const int G, int64_t d, const int8_t *v,
+                                                                const int16_t *wide, int64_t length,
+                                                                const uint16_t *w16, int64_t stride, int32_t *sums) {
+  int64_t row = KV8_ROW(d);
+  for (int64_t c = 0; c < d; c += 64) {
+    __m512i acc[VALUE_GROUP][4];
+    for (int m = 0; m < G; m++)
+      for (int i = 0; i < 4; i++) acc[m][i] = _mm512_setzero_si512();
+    for (int64_t j = 0; j < length; j += 2) {
+      __m512i x[4];
+      if (wide) {
+        for (int i = 0; i < 4; i++) x[i] = _mm512_loadu_si512(wide + ((j / 2 * (d / 64) + c / 64) * 4 + i) * 32);
+      } else {
+        if (c == 0)
+          for (int64_t b = 0; b < 2 * row; b += 64) _mm_prefetch((const char *)(v + (j + 16) * row) + b, _MM_HINT_T0);
+        widen_pair(v + j * row + c, j + 1 < length ? v + (j + 1) * row + c : 0, x);
+      }
+      for (int m = 0; m < G; m++) {
+        uint32_t pair;
+        memcpy(&pair, w16 + m * stride + j, sizeof pair);
+        __m512i wp = _mm512_set1_epi32((int)pair);
+        for (int i = 0; i < 4; i++) acc[m][i] = _mm512_dpwssd_epi32(acc[m][i], x[i], wp);
+      }
+    }
+    /* x[i]'s lanes 0-7 and 8-15 hold the dims at these offsets in the 64 */
+    static const int at[4][2] = {{0, 16}, {32, 48}, {8, 24}, {40, 56}};
+    for (int m = 0; m < G; m++)
+      for (int i = 0; i < 4; i++) {
+        _mm256_storeu_si256((__m256i *)(sums + m * d + c + at[i][0]), _mm512_castsi512_si256(acc[m][i]));
+        _mm256_storeu_si256((__m256i *)(sums + m * d + c + at[i][1]), _mm512_extracti64x4_epi64(acc[m][i], 1));
+      }
+  }
+}
+
+/* The 8-bit cache's weighted values in exact integers (the dot kernel's, few queries or many): each
+ * query's weights (e^(score - top) times the key's value scale: p[m·padded + j] · units[j]) rounded
+ * to int16 on the query's own scale (its largest weight in the part ↦ 32767), then Σ w · v over the
+ * part's keys two at a time (`vpdpwssd`: exact, the int8 values widened to int16; a part's ≤ SPLIT
+ * keys cannot overflow: 512 · 32767 · 128 < 2³¹), times that scale. An integer sum has no order, so
+ * a query's bits depend on its own weights and values only: not on the queries it is grouped with,
+ * nor on the slots its keys sit in (a tree's node gets those of a one-token step). acc: n × d;
+ * w16: n rows of `stride` int16 (stride ≥ length rounded up to even); wide: the values widened
+ * already (q4_dot_pairs16's, from the part's first key), or NULL. */
+TDOT void q4_dot_values8(int64_t n, int64_t d, const int8_t *v, const int16_t *wide, int64_t length, const float *p,
+                         int64_t padded, const float *units, uint16_t *w16, int64_t stride, float *acc) {
+  float unit[AMX_QUERIES];
+  for (int64_t m = 0; m < n; m++) { /* the weights in int16 */
+    const float *pm = p + m * padded;
+    int16_t *wm = (int16_t *)w16 + m * stride;
+    __m512 most = _mm512_setzero_ps();
+    for (int64_t j = 0; j < padded; j += 16)
+      most = _mm512_max_ps(most, _mm512_mul_ps(_mm512_loadu_ps(pm + j), _mm512_loadu_ps(units + j)));
+    float top = _mm512_reduce_max_ps(most);
+    unit[m] = top / 32767.0f;
+    __m512 up = _mm512_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
+    for (int64_t j = 0; j < padded; j += 16) { /* to the nearest integer, ties to even */
+      __m512 x = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(pm + j), _mm512_loadu_ps(units + j)), up);
+      _mm256_storeu_si256((__m256i *)(wm + j), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(x)));
+    }
+    for (int64_t j = padded; j < stride; j++) wm[j] = 0;
+  }
+  int32_t *sums = (int32_t *)acc; /* made in place, then scaled */
+  for (int64_t m = 0; m < n; m += VALUE_GROUP) {
+    int64_t g = n - m < VALUE_GROUP ? n - m : VALUE_GROUP;
+    const uint16_t *wg = w16 + m * stride;
+    int32_t *sg = sums + m * d;
+    if (g == 4) values8_g(4, d, v, wide, length, wg, stride, sg);
+    else if (g == 3) values8_g(3, d, v, wide, length, wg, stride, sg);
+    else if (g == 2) values8_g(2, d, v, wide, length, wg, stride, sg);
+    else values8_g(1, d, v, wide, length, wg, stride, sg);
+  }
+  for (int64_t m = 0; m < n; m++)
+    for (int64_t i = 0; i < d; i += 16) {
+      __m512 x = _mm512_cvtepi32_ps(_mm512_loadu_si512(sums + m * d + i));
+      _mm512_storeu_ps(acc + m * d + i, _mm512_mul_ps(x, _mm512_set1_ps(unit[m])));
+    }
+}
+#else
+void q4_dot_pairs16(const int8_t *rows, int64_t d, int64_t count, uint16_t *out, float *units) {
+  (void)rows, (void)d, (void)count, (void)out, (void)units;
 }
 #endif

@@ -94,7 +94,8 @@ int q4_attend(int isa, int amx, int threads, int64_t t, int64_t heads, int64_t k
   int64_t size = (queries + per - 1) / per, blocks = (queries + size - 1) / size;
   int64_t stride = RESULT(size, d), span = parts == 1 ? length : SPLIT; /* a part's results; its most keys */
   float *results = malloc(sizeof(float) * (size_t)(kv_heads * blocks * parts * stride));
-  /* 8-bit values on AMX for several blocks a kv head: made into B tiles once here for all of them */
+  /* 8-bit values on AMX for several blocks a kv head: made into B tiles once here for all of them (the
+   * dot kernel's widened to int16 pairs: attend_dot.c's q4_dot_pairs16) */
   int paired = kv8 && (amx & ~AMX_DOT) == 2 && blocks > 1 && first == 0, tiles = amx && !(amx & AMX_DOT);
   int64_t w32 = (length + 31) / 32 * 32; /* a kv head's rows there */
   size_t widened = (size_t)(kv_heads * w32) * (sizeof(uint16_t) * (size_t)d + sizeof(float)); /* tiles, scales */
@@ -118,11 +119,12 @@ int q4_attend(int isa, int amx, int threads, int64_t t, int64_t heads, int64_t k
 #pragma omp for schedule(static) collapse(2)
       for (int64_t g = 0; g < kv_heads; g++)
         for (int64_t j = 0; j < length; j += 256)
-          q4_pair_values((const int8_t *)v + (size_t)(g * capacity + j) * row, d, length - j < 256 ? length - j : 256,
-                         wide + (g * w32 + j) * d, units + g * w32 + j);
+          (tiles ? q4_pair_values : q4_dot_pairs16)((const int8_t *)v + (size_t)(g * capacity + j) * row, d,
+                                                     length - j < 256 ? length - j : 256,
+                                                     wide + (g * w32 + j) * d, units + g * w32 + j);
     }
     if (tiles) q4_amx_begin(); /* the tile unit's configuration (AMX_DOT: no tiles) */
-#pragma omp for schedule(dynamic) collapse(3)
+#pragma omp for schedule(static) collapse(3)
     for (int64_t g = 0; g < kv_heads; g++)
       for (int64_t b = 0; b < blocks; b++)
         for (int64_t p = 0; p < parts; p++) {
