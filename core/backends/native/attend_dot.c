@@ -121,11 +121,12 @@ TDOT void q4_dot_scores8(int64_t d, const uint32_t *qt, const int8_t *rows, int6
 /* s (n rows of `padded`) = those products for n queries, a lane a key, × the keys' scales (ks) ×
  * each query's (qs), in q4_scores_amx8's order; qu: qt's layout with each byte + 128 already
  * (U8's flip made once a part, not once for every 16 keys). */
-TDOT void q4_dot_scores8_few(int64_t n, int64_t d, const uint32_t *qu, const int8_t *rows, int64_t row,
-                             const float *ks, const float *qs, float *s, int64_t padded) {
+TDOT static inline __attribute__((always_inline)) void scores8_few_g(const int G, int64_t d, const uint32_t *qu,
+                                                                    const int8_t *rows, int64_t row, const float *ks,
+                                                                    const float *qs, float *s, int64_t padded) {
   const __m512i ones = _mm512_set1_epi8(1);
-  __m512i acc[AMX_QUERIES], sum = _mm512_setzero_si512();
-  for (int64_t m = 0; m < n; m++) acc[m] = _mm512_setzero_si512();
+  __m512i acc[DOT_FEW], sum = _mm512_setzero_si512();
+  for (int m = 0; m < G; m++) acc[m] = _mm512_setzero_si512();
   for (int64_t h = 0; h < d / 64; h++) { /* dims 64h .. 64h + 63: 16 groups of 4 */
     __m512 r[16];
     for (int j = 0; j < 16; j++) r[j] = _mm512_loadu_ps(rows + j * row + 64 * h);
@@ -133,15 +134,28 @@ TDOT void q4_dot_scores8_few(int64_t n, int64_t d, const uint32_t *qu, const int
     for (int i = 0; i < 16; i++) {
       __m512i k = _mm512_castps_si512(r[i]);
       sum = _mm512_dpbusd_epi32(sum, ones, k);
-      for (int64_t m = 0; m < n; m++)
+      for (int m = 0; m < G; m++)
         acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_set1_epi32((int)qu[16 * (16 * h + i) + m]), k);
     }
   }
   const __m512i fix = _mm512_slli_epi32(sum, 7);
   const __m512 keys = _mm512_loadu_ps(ks);
-  for (int64_t m = 0; m < n; m++) {
+  for (int m = 0; m < G; m++) {
     __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m], fix)), keys);
     _mm512_storeu_ps(s + m * padded, _mm512_mul_ps(x, _mm512_set1_ps(qs[m])));
+  }
+}
+
+/* (n < DOT_FEW: unrolled for each count, the queries' sums kept in registers) */
+TDOT void q4_dot_scores8_few(int64_t n, int64_t d, const uint32_t *qu, const int8_t *rows, int64_t row,
+                             const float *ks, const float *qs, float *s, int64_t padded) {
+  switch (n) {
+#define FEW(G)                                                                                                       \
+  case G:                                                                                                            \
+    scores8_few_g(G, d, qu, rows, row, ks, qs, s, padded);                                                           \
+    break;
+    FEW(1) FEW(2) FEW(3) FEW(4) FEW(5) FEW(6) FEW(7)
+#undef FEW
   }
 }
 
