@@ -36,7 +36,7 @@ TAMXB static inline void transpose16(__m512 r[16]) {
 
 /* attend_amx8.c's: the scores of an 8-bit cache's keys, and 8-bit values as B tiles. */
 TAMXB void q4_scores_amx8(int dot, int64_t n, int64_t d, const uint16_t *const *q, float scale, const int8_t *k,
-                          const int8_t *v,
+                          const int8_t *v, float *units,
                           int64_t length, int64_t padded, float *tile, int8_t *qt, int8_t *tail, float *qs,
                           float *s);
 TAMXB void q4_pairs8(const int8_t *const *rows, int64_t c, int tiles, uint16_t *out);

@@ -52,9 +52,9 @@ static inline const int8_t *block_rows(const int8_t *k, int64_t j0, int64_t leng
  * products with 16 queries (tile A: 16 keys' int8 rows as they lie in the cache, 64 dims; tile B:
  * the queries' dims in fours side by side); a score is then that integer × the key's scale × the
  * query's scale × `scale`, in that order. Scratch as scores_amx's, the queries' scales in qs; v as
- * scores_amx's. */
+ * scores_amx's; units (not NULL, with v): the values' scales, read as their keys' are. */
 TAMXB void q4_scores_amx8(int dot, int64_t n, int64_t d, const uint16_t *const *q, float scale, const int8_t *k,
-                              const int8_t *v, int64_t length, int64_t padded, float *tile, int8_t *qt, int8_t *tail,
+                              const int8_t *v, float *units, int64_t length, int64_t padded, float *tile, int8_t *qt, int8_t *tail,
                               float *qs, float *s) {
   int64_t chunks = d / 64, row = KV8_ROW(d);
   memset(qt, 0, (size_t)(1024 * chunks));
@@ -90,6 +90,7 @@ TAMXB void q4_scores_amx8(int dot, int64_t n, int64_t d, const uint16_t *const *
     }
     float ks[KEYS16];
     for (int i = 0; i < KEYS16; i++) ks[i] = kv8_scale(rows + i * row, d);
+    for (int64_t j = j0; units && j < j0 + KEYS16 && j < length; j++) units[j] = kv8_scale(v + j * row, d);
     if (dot && n < DOT_FEW) { /* a lane a key (attend_dot.c) */
       q4_dot_scores8_few(n, d, (const uint32_t *)qt, rows, row, ks, qs, s + j0, padded);
       continue;
