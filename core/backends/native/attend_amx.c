@@ -387,8 +387,10 @@ TAMXB void q4_part_amx(int amx, int kv8, int64_t n, int64_t d, const uint16_t *c
   if (amx == 2 && dot && kv8) { /* the weighted values in exact integers (attend_dot.c): no slots to keep */
     w.ints = 1;
     weights_amx(n, d, vp, kv8, wide_units ? wide_units + from : 0, from, to, seen, mask, scores, top, total, &w);
+    /* the keys and values after the part's: the next part's where this thread takes the next (step.c) */
+    const int8_t *next = wide ? 0 : (const int8_t *)kp + length * bytes;
     q4_dot_values8(n, d, (const int8_t *)vp, wide ? (const int16_t *)wide + from * d : 0, length, scores, padded,
-                   w.units, w.pb, w.p32, acc);
+                   w.units, w.pb, w.p32, acc, next, (const int8_t *)vp + length * bytes);
   } else if (amx == 2) {
     weights_amx(n, d, vp, kv8, wide ? wide_units + from : 0, from, to, seen, mask, scores, top, total, &w);
     values_amx(dot, n, d, vp, kv8, wide ? wide + from * d : 0, length, seen, mask, from, scores, padded, acc, &w);

@@ -191,7 +191,8 @@ TDOT void q4_dot_pairs16(const int8_t *rows, int64_t d, int64_t count, uint16_t 
 /* sums (G rows of d int32) = Σ_j w16[m][j] · value j (keys [0, length), two at a time) for G queries. */
 TDOT static inline __attribute__((always_inline)) void values8_g(const int G, int64_t d, const int8_t *v,
                                                                 const int16_t *wide, int64_t length,
-                                                                const uint16_t *w16, int64_t stride, int32_t *sums) {
+                                                                const uint16_t *w16, int64_t stride, int32_t *sums,
+                                                                const int8_t *next, const int8_t *next_v) {
   int64_t row = KV8_ROW(d);
   for (int64_t c = 0; c < d; c += 64) {
     __m512i acc[VALUE_GROUP][4];
@@ -204,6 +205,11 @@ TDOT static inline __attribute__((always_inline)) void values8_g(const int G, in
       } else {
         if (c == 0)
           for (int64_t b = 0; b < 2 * row; b += 64) _mm_prefetch((const char *)(v + (j + 16) * row) + b, _MM_HINT_T0);
+        if (c == 0 && next) /* the next part's keys and values, two of each a pair (the memory's otherwise idle) */
+          for (int64_t b = 0; b < 2 * row; b += 64) {
+            _mm_prefetch((const char *)(next + j * row) + b, _MM_HINT_T1);
+            _mm_prefetch((const char *)(next + (next_v - next) + j * row) + b, _MM_HINT_T1);
+          }
         widen_pair(v + j * row + c, j + 1 < length ? v + (j + 1) * row + c : 0, x);
       }
       for (int m = 0; m < G; m++) {
@@ -231,9 +237,12 @@ TDOT static inline __attribute__((always_inline)) void values8_g(const int G, in
  * a query's bits depend on its own weights and values only: not on the queries it is grouped with,
  * nor on the slots its keys sit in (a tree's node gets those of a one-token step). acc: n × d;
  * w16: n rows of `stride` int16 (stride ≥ length rounded up to even); wide: the values widened
- * already (q4_dot_pairs16's, from the part's first key), or NULL. */
+ * already (q4_dot_pairs16's, from the part's first key), or NULL; next, next_v: the keys and values
+ * of the part a thread likely takes next (`length` of each prefetched to L2 as the values are read
+ * from it; NULL: none). */
 TDOT void q4_dot_values8(int64_t n, int64_t d, const int8_t *v, const int16_t *wide, int64_t length, const float *p,
-                         int64_t padded, const float *units, uint16_t *w16, int64_t stride, float *acc) {
+                         int64_t padded, const float *units, uint16_t *w16, int64_t stride, float *acc,
+                         const int8_t *next, const int8_t *next_v) {
   float unit[AMX_QUERIES];
   for (int64_t m = 0; m < n; m++) { /* the weights in int16 */
     const float *pm = p + m * padded;
@@ -255,10 +264,10 @@ TDOT void q4_dot_values8(int64_t n, int64_t d, const int8_t *v, const int16_t *w
     int64_t g = n - m < VALUE_GROUP ? n - m : VALUE_GROUP;
     const uint16_t *wg = w16 + m * stride;
     int32_t *sg = sums + m * d;
-    if (g == 4) values8_g(4, d, v, wide, length, wg, stride, sg);
-    else if (g == 3) values8_g(3, d, v, wide, length, wg, stride, sg);
-    else if (g == 2) values8_g(2, d, v, wide, length, wg, stride, sg);
-    else values8_g(1, d, v, wide, length, wg, stride, sg);
+    if (g == 4) values8_g(4, d, v, wide, length, wg, stride, sg, m ? 0 : next, next_v);
+    else if (g == 3) values8_g(3, d, v, wide, length, wg, stride, sg, m ? 0 : next, next_v);
+    else if (g == 2) values8_g(2, d, v, wide, length, wg, stride, sg, m ? 0 : next, next_v);
+    else values8_g(1, d, v, wide, length, wg, stride, sg, m ? 0 : next, next_v);
   }
   for (int64_t m = 0; m < n; m++)
     for (int64_t i = 0; i < d; i += 16) {
