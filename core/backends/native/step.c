@@ -125,9 +125,9 @@ int q4_attend(int isa, int amx, int threads, int64_t t, int64_t heads, int64_t k
     }
     if (tiles) q4_amx_begin(); /* the tile unit's configuration (AMX_DOT: no tiles) */
 #pragma omp for schedule(static) collapse(3)
-    for (int64_t g = 0; g < kv_heads; g++)
-      for (int64_t b = 0; b < blocks; b++)
-        for (int64_t p = 0; p < parts; p++) {
+    for (int64_t g = 0; g < kv_heads; g++) /* a thread's tasks in order: a part's blocks one after another */
+      for (int64_t p = 0; p < parts; p++)  /* (its keys and values then read from the memory once) */
+        for (int64_t b = 0; b < blocks; b++) {
           if (!work) continue;
           block kb;
           block_of(g, b, size, queries, group, heads, d, q, ldq, mask, ldm, out, &kb);
