@@ -16,8 +16,9 @@ AMX_SCORES, AMX_VALUES = 4, 8  # added to the variant's number: attention on AMX
 KV8 = 16  # added too: keys and values in 8 bits (an 8-bit `StaticKV`, common.h's KV8_ROW)
 DOT = 32  # added too, with AMX's: AMX's attention with its tile products in AVX-512 vectors (attend_dot.c)
 AMX_HEAD_STEP = 32  # the head sizes AMX's attention takes are multiples of this (common.h's amx_mode)
-# The attention kernels: in vectors (attend.c), on AMX's tiles, AMX's in AVX-512 bf16 and VNNI products,
-# or its scores so and the weighted values in vectors
+# The attention kernels: in vectors (attend.c), on AMX's tiles, AMX's in AVX-512 bf16 and VNNI products
+# (an 8-bit cache's weighted values there in exact int16 sums instead), or its scores so and the
+# weighted values in vectors
 KERNELS = {
     "vectors": 0, "amx": AMX_SCORES | AMX_VALUES, "dot": AMX_SCORES | AMX_VALUES | DOT, "dot-scores": AMX_SCORES | DOT
 }  # fmt: skip
