@@ -1,0 +1,44 @@
+"""The attention kernels' weighted values over an 8-bit cache at their extremes: the dot kernel sums
+them as exact int16 × int8 integers (attend_dot.c's q4_dot_values8), which must not overflow on a
+whole part of keys, and every kernel must give each query the mean of the values it weighs alike."""
+
+import pytest
+import torch
+
+from core.backends import q4, stepops
+from core.backends.lean.kv import from_kv8, to_kv8
+from tests.helpers import library_builds
+
+
+def ops(kernel: str) -> stepops.Ops:
+    lib = q4.library()
+    if lib is None:
+        if library_builds():
+            pytest.fail(f"the kernel library should work here: {q4.unavailable()}")
+        pytest.skip(f"no kernel library here: {q4.unavailable()}")
+    if not stepops.can_attend_with(kernel):
+        pytest.skip(f"this CPU (or its Linux) does not run the {kernel} attention kernel")
+    return stepops.Ops(lib, attention=kernel)
+
+
+@pytest.mark.parametrize("kernel", ["vectors", *stepops.NAMES])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_values_at_their_largest_over_whole_parts_average_without_overflow(kernel, sign, rows):
+    """Keys all alike (every weight equal, each at the largest an int16 weight takes) and values at
+    the 8-bit rows' extreme (±127 on their scale) over three whole parts of 512 keys: each query's
+    output is that value, not a wrapped sum; then values that differ key by key, against torch."""
+    attend = ops(kernel)
+    heads, kv, d, length = 9, 3, 64, 1536
+    keys = to_kv8(torch.ones(kv, length, d).to(torch.bfloat16))
+    top = torch.full((kv, length, d), sign * 3.0).to(torch.bfloat16)
+    top[..., 0] = -sign * 3.0  # each row's largest magnitude on both sides of 0
+    values = to_kv8(top)
+    q = torch.randn(rows, heads, d, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    got = attend.attention(q, keys, values, length, None).view(rows, heads, d).float()
+    want = from_kv8(values)[0, 0].float()  # every key's value row is this one
+    assert torch.allclose(got, want.expand_as(got), rtol=1e-2, atol=1e-2)
+    mixed = to_kv8(torch.randn(kv, length, d, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16) * 4)
+    got = attend.attention(q, keys, mixed, length, None).view(rows, heads, d).float()
+    mean = from_kv8(mixed).float().mean(dim=1)  # equal weights: each kv head's values averaged
+    assert torch.allclose(got, mean.repeat_interleave(heads // kv, dim=0).expand_as(got), atol=2e-2)
