@@ -54,8 +54,8 @@ static inline const int8_t *block_rows(const int8_t *k, int64_t j0, int64_t leng
  * query's scale × `scale`, in that order. Scratch as scores_amx's, the queries' scales in qs; v as
  * scores_amx's; units (not NULL, with v): the values' scales, read as their keys' are. */
 TAMXB void q4_scores_amx8(int dot, int64_t n, int64_t d, const uint16_t *const *q, float scale, const int8_t *k,
-                              const int8_t *v, float *units, int64_t length, int64_t padded, float *tile, int8_t *qt, int8_t *tail,
-                              float *qs, float *s) {
+                              const int8_t *v, float *units, int64_t length, int64_t padded, float *tile, int8_t *qt,
+                              int8_t *tail, float *qs, float *s) {
   int64_t chunks = d / 64, row = KV8_ROW(d);
   memset(qt, 0, (size_t)(1024 * chunks));
   for (int64_t m = 0; m < n; m++) { /* B row p of chunk c: dims 64c + 4p .. 4p + 3 of each query (4 bytes a query) */
