@@ -42,3 +42,38 @@ def test_values_at_their_largest_over_whole_parts_average_without_overflow(kerne
     got = attend.attention(q, keys, mixed, length, None).view(rows, heads, d).float()
     mean = from_kv8(mixed).float().mean(dim=1)  # equal weights: each kv head's values averaged
     assert torch.allclose(got, mean.repeat_interleave(heads // kv, dim=0).expand_as(got), atol=2e-2)
+
+
+@pytest.mark.parametrize("kernel", ["vectors", *stepops.NAMES])
+@pytest.mark.parametrize("bits", [16, 8])
+def test_every_node_of_random_trees_gets_its_one_token_steps_bits(kernel, bits):
+    """Random trees of 2-64 nodes after prefixes within one part of keys: every node's output
+    equals a one-token step's over its prefix and path laid out in order, bit for bit. (The
+    weights' sums were made lane by lane by slot, so ~1 node in 10 came out a last bit apart.)"""
+    attend = ops(kernel)
+    gen = torch.Generator().manual_seed(5)
+    heads, kv, d = 9, 3, 64
+    for t, past in ((11, 90), (14, 230), (29, 90), (41, 131), (53, 177), (64, 300)):
+        rnd = torch.Generator().manual_seed(t * 7919 + past)
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=rnd)) for i in range(1, t)]
+        paths = []
+        for node in range(t):
+            chain, p = [], node
+            while p >= 0:
+                chain, p = [p, *chain], parents[p]
+            paths.append(chain)
+        seen = torch.zeros(t, past + t, dtype=torch.bool)
+        seen[:, :past] = True
+        for node, chain in enumerate(paths):
+            seen[node, [past + a for a in chain]] = True
+        mask = torch.zeros(t, past + t).masked_fill(~seen, torch.finfo(torch.bfloat16).min).to(torch.bfloat16)
+        keys, values = (torch.randn(kv, past + t + 20, d, generator=gen).to(torch.bfloat16) for _ in range(2))
+        if bits == 8:
+            keys, values = to_kv8(keys), to_kv8(values)
+        q = torch.randn(t, heads, d, generator=gen).to(torch.bfloat16)
+        got = attend.attention(q, keys, values, past + t, mask).view(t, heads, d)
+        for node, chain in enumerate(paths):
+            order = list(range(past)) + [past + a for a in chain]
+            one = attend.attention(q[node : node + 1], keys[:, order].contiguous(), values[:, order].contiguous(),
+                                   len(order), None)  # fmt: skip
+            assert torch.equal(one.view(heads, d), got[node]), (t, past, node)

@@ -275,18 +275,19 @@ TAMXB static void weights_amx(int64_t n, int64_t d, const char *v, int kv8, cons
       total[m] = 0.0f;
       continue;
     }
-    __m512 sum = _mm512_setzero_ps(), tv = _mm512_set1_ps(t);
+    __m512 tv = _mm512_set1_ps(t);
+    __m512i sum = _mm512_setzero_si512(); /* in fixed point, as sums512 (common.h) */
     int64_t rounded = w->ints ? 0 : w->own[m] ? w->shared : padded; /* own: its products from `shared` on */
     for (int64_t j = 0; j < padded; j += 16) {
       __m512 x = _mm512_loadu_ps(sm + j);
       __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, hidden, _CMP_NEQ_OQ), exp512(_mm512_sub_ps(x, tv)));
       _mm512_storeu_ps(sm + j, e);
-      sum = _mm512_add_ps(sum, e);
+      sum = _mm512_add_epi32(sum, fixed512(e));
       if (j < rounded) /* to nearest even, a denormal to 0 (the instruction's; tile_weight's alike) */
         _mm256_storeu_si256((__m256i *)(pb + j),
                             (__m256i)_mm512_cvtneps_pbh(kv8 ? _mm512_mul_ps(e, _mm512_loadu_ps(w->units + j)) : e));
     }
-    total[m] = _mm512_reduce_add_ps(sum);
+    total[m] = (float)_mm512_reduce_add_epi32(sum) / SUM_UNIT;
   }
 }
 

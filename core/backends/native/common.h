@@ -119,9 +119,13 @@ EXP_VEC(exp512, T512, __m512, _mm512, ROUND512, POW2_512)
 EXP_VEC(exp256, T256, __m256, _mm256, ROUND256, POW2_256)
 
 /* A row of `padded` scores or weights (a multiple of 16; attention's softmax): its largest (exact in any order; four
- * vectors side by side, so no one chain of maxima waits on the last), and its sum in one fixed
- * pattern (lane by lane over the row's vectors in order, then the lanes in a fixed tree: its bits
- * depend on the row only). */
+ * vectors side by side, so no one chain of maxima waits on the last), and the sum of its weights
+ * (each in [0, 1]: e^(score − top)) in fixed point, exact in any order: each weight rounded to a
+ * multiple of 2^-21 and added as an integer (a part's ≤ SPLIT keys stay under 2^30). A float sum
+ * lane by lane depended on the lanes the keys sit in, and a tree's node has its keys at other
+ * slots than the one-token step at its position: ~1 node in 10 of random trees came out a last
+ * bit apart (measured; tests/test_attention_values.py). */
+#define SUM_UNIT 2097152.0f /* 2^21 */
 T512 static inline float top512(int64_t padded, const float *s) {
   __m512 t[4] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY),
                  _mm512_set1_ps(-INFINITY)};
@@ -137,17 +141,20 @@ T256 static inline float top256(int64_t padded, const float *s) {
   x = _mm_max_ps(x, _mm_movehl_ps(x, x));
   return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
 }
+T512 static inline __m512i fixed512(__m512 x) { return _mm512_cvtps_epi32(_mm512_mul_ps(x, _mm512_set1_ps(SUM_UNIT))); }
 T512 static inline float sums512(int64_t padded, const float *s) {
-  __m512 t = _mm512_setzero_ps();
-  for (int64_t j = 0; j < padded; j += 16) t = _mm512_add_ps(t, _mm512_loadu_ps(s + j));
-  return _mm512_reduce_add_ps(t);
+  __m512i t = _mm512_setzero_si512();
+  for (int64_t j = 0; j < padded; j += 16) t = _mm512_add_epi32(t, fixed512(_mm512_loadu_ps(s + j)));
+  return (float)_mm512_reduce_add_epi32(t) / SUM_UNIT;
 }
 T256 static inline float sums256(int64_t padded, const float *s) {
-  __m256 t = _mm256_setzero_ps();
-  for (int64_t j = 0; j < padded; j += 8) t = _mm256_add_ps(t, _mm256_loadu_ps(s + j));
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+  __m256i t = _mm256_setzero_si256();
+  for (int64_t j = 0; j < padded; j += 8)
+    t = _mm256_add_epi32(t, _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(SUM_UNIT))));
+  __m128i x = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4E));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0xB1));
+  return (float)_mm_cvtsi128_si32(x) / SUM_UNIT;
 }
 
 /* One packed weight (core/q4.py's Layer). A 4-bit weight's steps and minimums: float16 per tile,
