@@ -370,30 +370,31 @@ TAMXB void q4_part_amx(int amx, int kv8, int64_t n, int64_t d, const uint16_t *c
   int64_t seen = open - from < 0 ? 0 : open - from > length ? length : open - from; /* keys all queries see */
   weights w;
   if (amx == 2) weights_at(scratch + 256 + 24 * d + 64, length, seen, &w);
+  const float *units = wide ? wide_units + from : 0; /* the values' scales, where made already */
   if (kv8) {
     const int8_t *ahead = wide ? 0 : (const int8_t *)vp; /* values to prefetch with the keys (not yet widened) */
     /* the dot kernel's integer values: their scales read with the keys' (weights_amx takes them as made) */
-    float *units = dot && amx == 2 && ahead ? w.units : 0;
-    for (int64_t j = 0; ahead && amx == 2 && !units && j < length; j++) /* the line of each value's scale, read */
+    float *made = dot && amx == 2 && ahead ? w.units : 0;
+    for (int64_t j = 0; ahead && amx == 2 && !made && j < length; j++) /* the line of each value's scale, read */
       _mm_prefetch((const char *)(ahead + j * KV8_ROW(d) + d), _MM_HINT_T1); /* first by weights_amx (1-8 % less) */
-    q4_scores_amx8(dot, n, d, q, scale, (const int8_t *)kp, ahead, units, length, padded, scratch, (int8_t *)qt,
+    q4_scores_amx8(dot, n, d, q, scale, (const int8_t *)kp, ahead, made, length, padded, scratch, (int8_t *)qt,
                    (int8_t *)(qt + 8 * d), (float *)(qt + 24 * d), scores);
-    if (units) wide_units = units - from; /* weights_amx reads them at from */
+    if (made) units = made;
     if (amx != 2) weighted512_8(n, d, v, from, to, open, mask, scores, top, total, acc);
   } else {
     scores_amx(dot, n, d, q, scale, (const uint16_t *)kp, (const uint16_t *)vp, length, padded, scratch, qt,
                (uint16_t *)(qt + 8 * d), scores);
     if (amx != 2) weighted512(n, d, v, from, to, open, mask, scores, top, total, acc);
   }
-  if (amx == 2 && dot && kv8) { /* the weighted values in exact integers (attend_dot.c): no slots to keep */
-    w.ints = 1;
-    weights_amx(n, d, vp, kv8, wide_units ? wide_units + from : 0, from, to, seen, mask, scores, top, total, &w);
+  if (amx != 2) return;
+  w.ints = dot && kv8; /* the weighted values in exact integers (attend_dot.c): no slots to keep */
+  weights_amx(n, d, vp, kv8, units, from, to, seen, mask, scores, top, total, &w);
+  if (w.ints) {
     /* the keys and values after the part's: the next part's where this thread takes the next (step.c) */
     const int8_t *next = wide ? 0 : (const int8_t *)kp + length * bytes;
     q4_dot_values8(n, d, (const int8_t *)vp, wide ? (const int16_t *)wide + from * d : 0, length, scores, padded,
                    w.units, w.pb, w.p32, acc, next, (const int8_t *)vp + length * bytes);
-  } else if (amx == 2) {
-    weights_amx(n, d, vp, kv8, wide ? wide_units + from : 0, from, to, seen, mask, scores, top, total, &w);
+  } else {
     values_amx(dot, n, d, vp, kv8, wide ? wide + from * d : 0, length, seen, mask, from, scores, padded, acc, &w);
   }
 }

@@ -208,7 +208,7 @@ TDOT static inline __attribute__((always_inline)) void values8_g(const int G, in
         if (c == 0 && next) /* the next part's keys and values, two of each a pair (the memory's otherwise idle) */
           for (int64_t b = 0; b < 2 * row; b += 64) {
             _mm_prefetch((const char *)(next + j * row) + b, _MM_HINT_T1);
-            _mm_prefetch((const char *)(next + (next_v - next) + j * row) + b, _MM_HINT_T1);
+            _mm_prefetch((const char *)(next_v + j * row) + b, _MM_HINT_T1);
           }
         widen_pair(v + j * row + c, j + 1 < length ? v + (j + 1) * row + c : 0, x);
       }
