@@ -33,6 +33,16 @@ def library_builds() -> bool:
     return q4.isa() is not None
 
 
+def library_or_skip():
+    """The kernel library: skip where this machine cannot build it; fail where it should work."""
+    lib = q4.library()
+    if lib is None:
+        if library_builds():
+            pytest.fail(f"the kernel library should work here: {q4.unavailable()}")
+        pytest.skip(f"no kernel library here: {q4.unavailable()}")
+    return lib
+
+
 def require_kernel(kernel: str, dtype: torch.dtype) -> None:
     """Skip where `kernel` cannot run in `dtype` on this machine; fail where it should run."""
     if fast.kernel_works(kernel, dtype):

@@ -5,17 +5,13 @@ whole part of keys, and every kernel must give each query the mean of the values
 import pytest
 import torch
 
-from core.backends import q4, stepops
+from core.backends import stepops
 from core.backends.lean.kv import from_kv8, to_kv8
-from tests.helpers import library_builds
+from tests.helpers import library_or_skip
 
 
 def ops(kernel: str) -> stepops.Ops:
-    lib = q4.library()
-    if lib is None:
-        if library_builds():
-            pytest.fail(f"the kernel library should work here: {q4.unavailable()}")
-        pytest.skip(f"no kernel library here: {q4.unavailable()}")
+    lib = library_or_skip()
     if not stepops.can_attend_with(kernel):
         pytest.skip(f"this CPU (or its Linux) does not run the {kernel} attention kernel")
     return stepops.Ops(lib, attention=kernel)

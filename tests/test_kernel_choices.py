@@ -14,15 +14,9 @@ from core.backends import lean as fast
 from core.backends import q4, stepops
 from core.drafters.policy import CostCurve
 from core.measure import clock, cpu_attention, kernels, profile
-from tests.helpers import library_builds, tiny_backend
+from tests.helpers import library_or_skip as _library
+from tests.helpers import tiny_backend
 from tests.tiny_folder import save_tiny_model
-
-
-def _library():
-    if q4.library() is None:
-        if library_builds():
-            pytest.fail(f"the kernel library should work here: {q4.unavailable()}")
-        pytest.skip(f"no kernel library here: {q4.unavailable()}")
 
 
 class NoisyClock:

@@ -11,7 +11,8 @@ import torch
 
 from core.backends import abi, q4, q4build, quantize, stepops
 from core.backends import lean as fast
-from tests.helpers import library_builds, unpacked
+from tests.helpers import library_or_skip as loaded
+from tests.helpers import unpacked
 
 
 @pytest.fixture
@@ -26,15 +27,6 @@ def variants() -> list[str]:
     """The kernel variants this CPU can run (AVX-512 VNNI runs only where the CPU has it)."""
     best = q4.isa()
     return [] if best is None else [v for v in q4.ISAS if q4.ISAS[v] <= q4.ISAS[best]]
-
-
-def loaded():
-    lib = q4.library()
-    if lib is None:
-        if library_builds():
-            pytest.fail(f"the kernel library should work here: {q4.unavailable()}")
-        pytest.skip(f"no kernel library here: {q4.unavailable()}")
-    return lib
 
 
 def packed(weight, bias=None, variant=None):
