@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from core.backends import lean as fast
-from core.backends import q4build
+from core.backends import q4build, stepops
 from core.backends.base import RowLogits
 from core.decode.generate import collect, stream
 from core.decode.settings import DecodeSettings
@@ -141,6 +141,31 @@ def test_greedy_tree_decoding_equals_plain_greedy_in_4_bits(kernel):
     drafter = OracleDrafter(PROMPT + reference, load_tree("mc_sim_7b_63")[1], backend.model.config.vocab_size, seed=1)
     events, done = collect(stream(backend, PROMPT, DecodeSettings(max_new_tokens=32), drafter))
     assert list(done.token_ids) == reference[:32]
+    assert max(e.accepted for e in events) >= 2
+
+
+def test_a_tree_stops_short_of_the_next_cut_of_the_keys_into_parts(monkeypatch):
+    """The library's attention cuts the keys into parts at multiples of `stepops.split()` positions
+    (512; 16 here, to meet them in a short reply): no verified tree reaches past the next one, where
+    its nodes' keys would fall into other parts than their one-token steps' (the kernels' test of
+    the boundary: tests/test_attention_values.py), and the reply is still the plain loop's."""
+    require_kernel("q4", torch.bfloat16)
+    backend = tiny_backend("llama+q4")
+    assert backend.tree_room(0) == stepops.split() == 512 and backend.tree_room(1000) == 24
+    monkeypatch.setattr(stepops, "split", lambda: 16)
+    reference = plain_tokens(backend, PROMPT, 60)
+    seen, run = [], backend.run
+
+    def spy(ids, positions, mask, cache, taps=()):
+        seen.append((backend.length(cache), ids.numel()))
+        return run(ids, positions, mask, cache, taps)
+
+    monkeypatch.setattr(backend, "run", spy)
+    drafter = OracleDrafter(PROMPT + reference, load_tree("mc_sim_7b_63")[1], backend.model.config.vocab_size, seed=1)
+    events, done = collect(stream(backend, PROMPT, DecodeSettings(max_new_tokens=52), drafter))
+    assert list(done.token_ids) == reference[:52]
+    steps = seen[1:]  # after the prefill; each verified the 64-node tree's first nodes up to the cut
+    assert [nodes for _, nodes in steps] == [16 - past % 16 for past, _ in steps]
     assert max(e.accepted for e in events) >= 2
 
 

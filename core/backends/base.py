@@ -80,6 +80,11 @@ class Backend(Protocol):
         one-token step gives it, whatever the dtype (the kernel library's whole-layer decoder)."""
         ...
 
+    def tree_room(self, past: int) -> int | None:
+        """The most nodes a tree verified after `past` cached positions may have for each node to
+        get the bits a one-token step at its position would (None: no bound of the backend's)."""
+        ...
+
     def describe(self) -> str:
         """How the forward runs, for reports and the step-cost key ("transformers", "lean, q4 layers…")."""
         ...
@@ -128,6 +133,9 @@ class OnModel:
     def kernels(self) -> AbstractContextManager:
         allowed = ATTENTION[self.attention]
         return nullcontext() if allowed is None else sdpa_kernel(list(allowed))
+
+    def tree_room(self, past: int) -> int | None:
+        return None
 
     @property
     def device(self) -> torch.device:

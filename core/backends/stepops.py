@@ -143,6 +143,13 @@ def kv_bits() -> int:
     return _chosen["kv bits"]
 
 
+def split() -> int | None:
+    """The multiple of key positions at which the library's attention cuts a long key range into
+    parts, each attended on its own and then joined (step.c's q4_split); None without the library."""
+    lib = library()
+    return None if lib is None else lib.q4_split()
+
+
 def raise_for(code: int, head_dim: int) -> None:
     """The exception a step kernel's return code stands for (0: none)."""
     if code == -2:

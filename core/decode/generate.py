@@ -124,6 +124,7 @@ def stream(
                 choice = drafter.last_choice
                 if prefix_len + draft.tree.max_depth >= context:  # the tree would need positions the model lacks
                     draft = plain.propose(hidden, root)
+                draft = draft.first(backend.tree_room(prefix_len) or draft.tree.size)  # each node a plain step's bits
                 drafting = now(device) - t0
                 fwd = verify(backend, cache, draft, taps)
                 result = accept(fwd, draft, settings, generator)

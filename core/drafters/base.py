@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from core.decode.tree import HEADS, ROOT, TreeBuffers, build_tree
+from core.decode.tree import HEADS, ROOT, TreeBuffers, build_tree, from_parents
 
 if TYPE_CHECKING:
     from core.drafters.policy import Choice
@@ -34,6 +34,15 @@ class Draft:
 
     def source(self, node: int) -> int:
         return self.sources[node] if self.sources else (ROOT if node == 0 else HEADS)
+
+    def first(self, n: int) -> Draft:
+        """The draft of its tree's first `n` ≥ 1 nodes (itself when it has no more): still a tree,
+        every node's parent coming before it."""
+        if n >= self.tree.size:
+            return self
+        tree = self.tree
+        cut = from_parents(tree.parents[:n], tree.rank[:n].tolist(), tree.paths[: n - 1])
+        return Draft(self.tokens[:n], cut.on(tree.depth.device), self.sources[:n])
 
 
 class Drafter(ABC):

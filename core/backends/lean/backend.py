@@ -35,6 +35,9 @@ class LeanBackend(OnModel):
     def rows_one_by_one(self) -> bool:
         return self.forward.native is not None  # the library's decoder computes the rows one by one
 
+    def tree_room(self, past: int) -> int | None:
+        return self.forward.tree_room(past)
+
     def describe(self) -> str:
         """ "lean, int4 layers, onednn lm_head", "lean, q4 layers in one call, q8 lm_head by node"…"""
         kernel = self.layer_kernel

@@ -46,6 +46,16 @@ class LeanForward:
         bits = (bits or self.kv_bits) if self.native is not None else 16
         return StaticKV(len(self.layers), self.kv_heads, self.head_dim, self.dtype, bits=bits)
 
+    def tree_room(self, past: int) -> int | None:
+        """The most nodes a tree after `past` positions may have for each node to get a one-token
+        step's bits. The library's attention cuts the keys into parts at multiples of
+        `stepops.split()` positions and joins the parts in float; a tree's nodes lie at slots past
+        their positions, so a tree whose slots reach the next multiple would put some node's keys
+        in other parts than its one-token step's (None: torch's attention, no such cut)."""
+        library = self.native is not None or (self.layers[0].ops is not None and stepops.Ops.attends(self.head_dim))
+        split = stepops.split() if library else None
+        return None if split is None else split - past % split
+
     def run(
         self, ids: Tensor, positions: Tensor, mask: Tensor | None, cache: StaticKV, taps: Taps = ()
     ) -> tuple[Tensor, Tensor | None]:

@@ -17,6 +17,12 @@ static inline float bf(uint16_t b) { return bf16_to_float(b); }
  * keys and values once (one thread a kv head read them 1.33-2 times over, at a third of the
  * memory's speed). SPLIT: common.h. */
 
+/* The multiple of key positions at which the parts are cut: a tree's node gets a one-token step's
+ * bits while its keys fall in the parts its one-token step's do, i.e. while the tree's slots stay
+ * below the next multiple (a node's path has positions below its slots: core.backends.lean's
+ * `tree_room` keeps trees there). */
+int64_t q4_split(void) { return SPLIT; }
+
 /* The queries of one task: query l is (row r, head g·group + h) for the task's kv head g. */
 typedef struct {
   int64_t n;
