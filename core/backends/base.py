@@ -117,6 +117,11 @@ class Backend(Protocol):
         """Drop every entry from position `size` on."""
         ...
 
+    def reserve(self, cache: Cache, size: int) -> None:
+        """Room for `size` positions made now, where the cache is pre-allocated (else nothing): a
+        reply's prompt and longest reply, so that it does not grow in its middle."""
+        ...
+
     def logits(self, hidden: Tensor, tree: bool = False) -> Logits:
         """(T, H) final hidden states → their next-token logits. `tree`: the states of a tree's
         nodes, which the backend may leave to be computed a node at a time (`row_head`)."""
@@ -136,6 +141,9 @@ class OnModel:
 
     def tree_room(self, past: int) -> int | None:
         return None
+
+    def reserve(self, cache: Cache, size: int) -> None:
+        pass  # transformers' caches grow as they fill
 
     @property
     def device(self) -> torch.device:

@@ -73,6 +73,9 @@ class Finished:
         return len(self.token_ids) / self.steps if self.steps else 0.0
 
 
+TREE_ROOM = 64  # the nodes of a large tree, verified past the reply's last position (room reserved for them)
+
+
 def stream(
     backend: Backend,
     prompt_ids: list[int],
@@ -97,6 +100,8 @@ def stream(
         # 1) prefill: the prompt (what the kept cache lacks of it) into the cache, the backbone's first token
         taps = drafter.taps  # layers whose streams the drafter reads too (EAGLE-3)
         cache, reused = resume(backend, prompt_ids, kept, drafter)
+        if not reused:  # a new cache made at once for the prompt and the longest reply: none of it copied
+            backend.reserve(cache, len(prompt_ids) + reply.limit + TREE_ROOM)  # as it grows, or mid-reply
         fwd = prefill(backend, cache, torch.tensor(prompt_ids[reused:], device=device), taps)
         root = first_token(fwd, settings, generator)
         hidden = fwd.hidden[-1]

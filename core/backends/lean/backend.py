@@ -77,6 +77,9 @@ class LeanBackend(OnModel):
     def truncate(self, cache: StaticKV, size: int) -> None:
         cache.truncate(size)
 
+    def reserve(self, cache: StaticKV, size: int) -> None:
+        cache.reserve(size)
+
     def logits(self, hidden: Tensor, tree: bool = False) -> Logits:
         if tree and self.row_head:
             return RowLogits(self._project, hidden)
