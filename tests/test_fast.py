@@ -152,7 +152,7 @@ def test_a_tree_stops_short_of_the_next_cut_of_the_keys_into_parts(monkeypatch):
     require_kernel("q4", torch.bfloat16)
     backend = tiny_backend("llama+q4")
     assert backend.tree_room(0) == stepops.split() == 512 and backend.tree_room(1000) == 24
-    monkeypatch.setattr(stepops, "split", lambda: 16)
+    monkeypatch.setattr(backend.forward, "split", 16)
     reference = plain_tokens(backend, PROMPT, 60)
     seen, run = [], backend.run
 

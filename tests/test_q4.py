@@ -11,6 +11,7 @@ import torch
 
 from core.backends import abi, q4, q4build, quantize, stepops
 from core.backends import lean as fast
+from core.backends.lean.packed import rows_in_torch
 from tests.helpers import library_or_skip as loaded
 from tests.helpers import unpacked
 
@@ -294,6 +295,10 @@ def test_rows_of_an_8bit_weight_read_back_as_the_kernel_multiplies_them():
     ids = torch.tensor([0, 17, 63, 17, 40])
     assert torch.equal(fast.eight_bit_rows(layer, ids, torch.float32), want[ids])
     assert torch.equal(fast.eight_bit_rows(layer, ids, torch.bfloat16), want[ids].bfloat16())
+    every = torch.arange(64)  # bf16 rows in the library's one call: torch's rows, rounded alike
+    assert torch.equal(fast.eight_bit_rows(layer, every, torch.bfloat16), rows_in_torch(layer, every).bfloat16())
+    with pytest.raises(IndexError, match="outside"):
+        fast.eight_bit_rows(layer, torch.tensor([3, 64]), torch.bfloat16)
     with pytest.raises(ValueError, match="8-bit"):
         fast.eight_bit_rows(q4.Packed(loaded(), weight, None, bits=4), ids, torch.float32)
 

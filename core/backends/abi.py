@@ -37,6 +37,7 @@ def load(path: Path, version: int) -> ctypes.CDLL:
     lib.q4_amx.restype = lib.q4_amx_attention.restype = ctypes.c_int
     lib.q4_avx_vnni.argtypes = [ctypes.c_int]
     lib.q4_avx_vnni.restype = ctypes.c_int
+    lib.q4_rows8.argtypes, lib.q4_rows8.restype = [ptr, ptr, i64, ptr], ctypes.c_int
     lib.q4_split.argtypes, lib.q4_split.restype = [], ctypes.c_int64
     lib.q4_prefetch_l2.argtypes, lib.q4_prefetch_l2.restype = [ctypes.c_int], ctypes.c_int
     return lib

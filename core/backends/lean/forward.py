@@ -39,6 +39,8 @@ class LeanForward:
         self.final_norm = norm(base.norm, stepops.ops(self.dtype, model.device))
         self.native = native_decoder(base.layers, config, self.layers, self.rope_of)  # every layer in one call, or None
         self.kv_bits = stepops.kv_bits()  # the keys' and values' bits where the library's decoder runs the layers
+        library = self.native is not None or (first.ops is not None and stepops.Ops.attends(self.head_dim))
+        self.split = stepops.split() if library else None  # where the library's attention cuts keys into parts
 
     def new_cache(self, bits: int | None = None) -> StaticKV:
         """An empty cache, its keys and values in `bits` (None: the model's `kv_bits`): 8 bits only
@@ -52,8 +54,7 @@ class LeanForward:
         `stepops.split()` positions and joins the parts in float; a tree's nodes lie at slots past
         their positions, so a tree whose slots reach the next multiple would put some node's keys
         in other parts than its one-token step's (None: torch's attention, no such cut)."""
-        library = self.native is not None or (self.layers[0].ops is not None and stepops.Ops.attends(self.head_dim))
-        split = stepops.split() if library else None
+        split = self.split
         return None if split is None else split - past % split
 
     def run(

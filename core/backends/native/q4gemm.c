@@ -33,7 +33,7 @@
 #define PF_ROWS 12 /* a one-to-four-row pass (reg512; to L2: twice as far) */
 #define PF8 6      /* an 8-bit pass (pair512_8; to L2: twice as far) */
 
-int q4_version(void) { return 30; }
+int q4_version(void) { return 31; }
 
 int q4_to_l2; /* common.h's PREFETCH_W: which passes prefetch to L2 (L2_FEW, L2_EIGHT) */
 
@@ -148,6 +148,27 @@ __attribute__((target("f16c"))) void q4_quantize(const uint16_t *w, int64_t n, i
       }
     }
   }
+}
+
+/* Rows `ids` (n of them) of an 8-bit weight as the kernels multiply them, q · step rounded to bf16
+ * (out: n × K): a tied lm_head read as the embedding (core/backends/lean/packed.py's eight_bit_rows,
+ * whose torch ops cost a one-token step ~0.13 ms). Per tile and group, byte 64u + 4j + i holds output
+ * j's input 4u + i. Returns 0, or -1 for an index out of range (nothing written past it). */
+T256 int q4_rows8(const q4_layer *layer, const int64_t *ids, int64_t n, uint16_t *out) {
+  int64_t k = layer->k, groups = k / GROUP;
+  const int8_t *w = (const int8_t *)layer->w;
+  for (int64_t r = 0; r < n; r++) {
+    if (ids[r] < 0 || ids[r] >= layer->n) return -1;
+    int64_t tile = ids[r] / TILE, j = ids[r] % TILE;
+    for (int64_t g = 0; g < groups; g++) {
+      float step = _cvtsh_ss(layer->d[(tile * groups + g) * TILE + j]);
+      const int8_t *block = w + (tile * groups + g) * TILE_BYTES8 + 4 * j;
+      uint16_t *row = out + r * k + g * GROUP;
+      for (int u = 0; u < 8; u++)
+        for (int i = 0; i < 4; i++) row[4 * u + i] = float_to_bf16((float)block[64 * u + i] * step);
+    }
+  }
+  return 0;
 }
 
 /* A group's 32 4-bit values → its 16 bytes for output j of its tile's 256 (see the top). */
