@@ -73,7 +73,7 @@ class Finished:
         return len(self.token_ids) / self.steps if self.steps else 0.0
 
 
-TREE_ROOM = 64  # the nodes of a large tree, verified past the reply's last position (room reserved for them)
+LARGE_TREE = 64  # a large tree's nodes, verified past the reply's last position (the cache is made with room for them)
 
 
 def stream(
@@ -101,7 +101,7 @@ def stream(
         taps = drafter.taps  # layers whose streams the drafter reads too (EAGLE-3)
         cache, reused = resume(backend, prompt_ids, kept, drafter)
         if not reused:  # a new cache made at once for the prompt and the longest reply: none of it copied
-            backend.reserve(cache, len(prompt_ids) + reply.limit + TREE_ROOM)  # as it grows, or mid-reply
+            backend.reserve(cache, len(prompt_ids) + reply.limit + LARGE_TREE)  # as it grows, or mid-reply
         fwd = prefill(backend, cache, torch.tensor(prompt_ids[reused:], device=device), taps)
         root = first_token(fwd, settings, generator)
         hidden = fwd.hidden[-1]
@@ -129,7 +129,8 @@ def stream(
                 choice = drafter.last_choice
                 if prefix_len + draft.tree.max_depth >= context:  # the tree would need positions the model lacks
                     draft = plain.propose(hidden, root)
-                draft = draft.first(backend.tree_room(prefix_len) or draft.tree.size)  # each node a plain step's bits
+                room = backend.tree_room(prefix_len)  # the most nodes that each get a one-token step's bits
+                draft = draft if room is None else draft.first(room)
                 drafting = now(device) - t0
                 fwd = verify(backend, cache, draft, taps)
                 result = accept(fwd, draft, settings, generator)
