@@ -104,3 +104,20 @@ def test_a_nodes_path_is_made_once_and_stays_right():
         first = tree.path_to(node)
         assert torch.equal(first, want) and tree.path_to(node) is first
     assert tree.path_to(5).tolist() == [0, 1, 3, 5]
+
+
+def test_a_drafts_first_nodes_are_a_tree_of_their_own():
+    """`Draft.first(n)`: the first n nodes of a tree (parents come first) with their tokens and
+    sources, as the tree of the first n - 1 paths builds them; itself at n ≥ its size."""
+    from core.drafters.base import Draft
+
+    _, tree = load_tree("mc_sim_7b_63")
+    draft = Draft(torch.arange(tree.size) + 100, tree, tuple(range(tree.size)))
+    assert draft.first(tree.size) is draft and draft.first(tree.size + 5) is draft
+    for n in (1, 2, 7, 30):
+        cut, want = draft.first(n), build_tree(list(tree.paths[: n - 1]))
+        assert cut.tree.size == n and cut.tokens.tolist() == list(range(100, 100 + n))
+        assert cut.sources == tuple(range(n))
+        for name in ("depth", "parent", "rank", "visible", "children"):
+            assert torch.equal(getattr(cut.tree, name), getattr(want, name)), (n, name)
+        assert (cut.tree.top_k, cut.tree.max_depth, cut.tree.paths) == (want.top_k, want.max_depth, want.paths)
