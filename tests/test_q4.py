@@ -235,6 +235,37 @@ def test_argmax_gives_torchs_indices(variant, monkeypatch):
 
 
 @pytest.mark.parametrize("variant", ["avx512-vnni", "avx2"])
+def test_top_gives_torchs_top_k_and_log_sum_exp(variant, monkeypatch):
+    """stepops.top (the heads' candidates) gives torch's topk values, indices that hold them (of
+    equal values the lower index first), and logsumexp to float rounding, in each variant, over
+    rows of the vocabularies' sizes, a short row, a row with -inf's, strided rows; and declines a
+    NaN, +inf, strided columns, other dtypes and k out of range."""
+    loaded()
+    if variant not in variants():
+        pytest.skip(f"this CPU does not run the {variant} kernels")
+    monkeypatch.setattr(stepops, "isa", lambda: variant)
+    gen = torch.Generator().manual_seed(4)
+    for rows, vocab, k in ((4, 49152, 10), (3, 262144, 10), (2, 7, 7), (5, 37, 1)):
+        x = (torch.randn(rows, vocab + 3, generator=gen) * 4).to(torch.bfloat16)[:, :vocab]  # rows ld apart
+        x[0, vocab // 2] = x[0, vocab // 3] = x[0, vocab // 4] = x[0].max() + 1  # a three-way tie at the top
+        x[-1, : vocab // 2] = float("-inf")
+        values, indices, norms = stepops.top(x, k)
+        assert torch.equal(values, x.topk(k).values.float())
+        assert torch.equal(x.gather(1, indices).float(), values)
+        assert all(len(set(row)) == k for row in indices.tolist())
+        if k >= 3 and vocab > 7:
+            assert indices[0, :3].tolist() == [vocab // 4, vocab // 3, vocab // 2]
+        assert torch.allclose(norms, x.float().logsumexp(-1), rtol=1e-5, atol=1e-5)
+    x = torch.randn(3, 100, generator=gen).to(torch.bfloat16)
+    for bad in (float("nan"), float("inf")):
+        y = x.clone()
+        y[1, 50] = bad
+        assert stepops.top(y, 5) is None
+    assert stepops.top(x[:, ::2], 5) is None and stepops.top(x.float(), 5) is None
+    assert stepops.top(x, 0) is None and stepops.top(x, 101) is None and stepops.top(x[0], 5) is None
+
+
+@pytest.mark.parametrize("variant", ["avx512-vnni", "avx2"])
 def test_rms_norm_matches_llama(variant):
     ops = ops_or_skip(variant)
     gen = torch.Generator().manual_seed(6)

@@ -27,6 +27,8 @@ def load(path: Path, version: int) -> ctypes.CDLL:
     lib.q4_rmsnorm.restype = None
     lib.q4_kv8_store.argtypes, lib.q4_kv8_store.restype = [ptr, i64, ptr], None
     lib.q4_argmax.argtypes, lib.q4_argmax.restype = [ctypes.c_int, ctypes.c_int, i64, i64, ptr, i64, ptr], None
+    lib.q4_top.argtypes = [ctypes.c_int, ctypes.c_int, i64, i64, ptr, i64, i64, ptr, ptr, ptr]
+    lib.q4_top.restype = ctypes.c_int
     lib.q4_pack4.argtypes, lib.q4_pack4.restype = [ptr, i64, i64, ptr], None
     lib.q4_pack_nibbles.argtypes, lib.q4_pack_nibbles.restype = [ptr, i64, i64, i64, i64, i64, ctypes.c_int, ptr], None
     lib.q4_pack_high.argtypes, lib.q4_pack_high.restype = lib.q4_pack_nibbles.argtypes, None

@@ -16,10 +16,12 @@ from pathlib import Path
 import platformdirs
 
 NATIVE = Path(__file__).parent / "native"
-_FILES = ("q4gemm", "layout", "avx2", "amx", "attend", "attend_amx", "attend_amx8", "attend_dot", "step", "decode")
+_FILES = (
+    "q4gemm", "layout", "avx2", "amx", "attend", "attend_amx", "attend_amx8", "attend_dot", "step", "top", "decode",
+)  # fmt: skip
 SOURCES = tuple(NATIVE / f"{name}.c" for name in _FILES)  # compiled together, with the headers
 HEADERS = (NATIVE / "common.h", NATIVE / "attend_amx.h")
-VERSION = 31  # q4_version() of the source above
+VERSION = 32  # q4_version() of the source above
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
 
 
