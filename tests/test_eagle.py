@@ -275,8 +275,8 @@ def test_a_small_budget_drafts_fewer_depths_and_keeps_the_same_tree(monkeypatch)
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(LeanDraft, "__call__", counted)
-    peaky = lambda self, predicted: torch.log_softmax(self.readout(predicted).float() * 16, dim=-1)  # noqa: E731
-    monkeypatch.setattr(LeanDraft, "log_probs", peaky)  # deep nodes outrank shallow ones
+    peaky = lambda self, predicted: self.readout(predicted).float() * 16  # noqa: E731
+    monkeypatch.setattr(LeanDraft, "logits", peaky)  # deep nodes outrank shallow ones
     kept, forwards = {}, {}
     for budget in (2, 3, 5, 8, 12, 40):
         drafter = EagleDrafter(copy.deepcopy(draft), torch.float32, lookup=False, budget=budget)

@@ -147,11 +147,13 @@ def test_a_published_checkpoint_computes_what_its_code_computes(tmp_path):
         cache = lean.new_cache()
         ours = lean(lean.fused(fed), ids[1:], torch.arange(n), None, cache)
         cache.length = n
-        torch.testing.assert_close(lean.log_probs(ours), logits.log_softmax(-1), rtol=1e-4, atol=1e-4)
-        assert lean.vocab[lean.log_probs(ours[-1:]).argmax()] == targets[top]
+        torch.testing.assert_close(lean.logits(ours).log_softmax(-1), logits.log_softmax(-1), rtol=1e-4, atol=1e-4)
+        assert lean.vocab[lean.logits(ours[-1:]).argmax()] == targets[top]
         mask = torch.zeros(1, 1, 1, n + 1)
         again = lean(ours[-1:], targets[top].view(1), torch.tensor([n]), mask, cache)
-        torch.testing.assert_close(lean.log_probs(again)[0], drafted_logits[-1].log_softmax(-1), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            lean.logits(again)[0].log_softmax(-1), drafted_logits[-1].log_softmax(-1), rtol=1e-4, atol=1e-4
+        )
         reference = draft(draft.fused(fed)[None], ids[None, 1:], torch.arange(n)[None], None)  # the torch forward
         torch.testing.assert_close(draft.logits(reference)[0], logits, rtol=1e-4, atol=1e-4)
 
@@ -227,7 +229,7 @@ def test_norm_before_residual_feeds_the_normed_feature_to_the_residual_stream(tm
             out = lean(lean.fused(features), ids, torch.arange(n), None, lean.new_cache())
             reference = draft(draft.fused(features)[None], ids[None], torch.arange(n)[None], None)
             torch.testing.assert_close(
-                lean.log_probs(out), draft.logits(reference)[0].log_softmax(-1), rtol=1e-4, atol=1e-4
+                lean.logits(out).log_softmax(-1), draft.logits(reference)[0].log_softmax(-1), rtol=1e-4, atol=1e-4
             )
-            logp[name] = lean.log_probs(out)
+            logp[name] = lean.logits(out).log_softmax(-1)
     assert draft.norm_before_residual is False and not torch.allclose(logp["before"], logp["after"])

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from core.backends import stepops
 from core.decode.tree import CONTEXT, RETRIEVAL, ROOT, SOURCES, build_tree, from_parents
 from core.drafters.base import Draft, Drafter
 from core.drafters.estimates import PRIOR_CURVE, CostCurve
@@ -90,13 +91,14 @@ class ConfidenceTree(Drafter):
 
     @abstractmethod
     def _start(self) -> tuple[Tensor, Any]:
-        """(V,) log-probabilities of the token after the root, and what its children's rows read
-        besides their tokens (EAGLE: the predicted feature; None for a draft model)."""
+        """(V,) logits of the token after the root (log-probabilities up to a constant: `top_log_probs`
+        reads them), and what its children's rows read besides their tokens (EAGLE: the predicted
+        feature; None for a draft model)."""
 
     @abstractmethod
     def _expand(self, inputs: list[Any], tokens: list[int], position: int, mask: Tensor) -> tuple[Tensor, list[Any]]:
         """Rows of `tokens` (with `inputs` from `_start` or an earlier `_expand`), all at `position`,
-        appended to the cache under `mask` ((1, 1, rows, cached + rows)) → (rows, V) log-probs and
+        appended to the cache under `mask` ((1, 1, rows, cached + rows)) → (rows, V) logits and
         what each row's children read."""
 
     @abstractmethod
@@ -203,13 +205,13 @@ class ConfidenceTree(Drafter):
         nodes score at least as much as its parent, it is never among the `limit` most probable
         (what `closed` keeps); the tree is the same, with fewer draft forwards."""
         base = self._length()
-        logp, first_in = self._start()
-        k = min(TOP_K, logp.shape[-1])
+        logits, first_in = self._start()
+        k = min(TOP_K, logits.shape[-1])
         limit = self.fixed_budget if self.fixed_budget is not None else BUDGETS[-1]
-        top = logp.topk(k)
-        tokens = self._token_ids(top.indices)
+        values, indices = top_log_probs(logits.view(1, -1), k)
+        tokens = self._token_ids(indices[0])
         parent = [-1] * k
-        scores = top.values.tolist()
+        scores = values[0].tolist()
         reads = dict.fromkeys(range(k), first_in)  # what each node's row reads besides its token
         entry: dict[int, int] = {}  # node → its row among the appended entries
         frontier = list(range(k))
@@ -240,11 +242,11 @@ class ConfidenceTree(Drafter):
             mask[0, 0, :, base:] = torch.tensor(tail, dtype=self.dtype)
             self._cut(base + rows)
             t0 = now(self.device)
-            logp, outs = self._expand([reads[n] for n in expand], [tokens[n] for n in expand], base + depth - 1, mask)
+            logits, outs = self._expand([reads[n] for n in expand], [tokens[n] for n in expand], base + depth - 1, mask)
             ms = (now(self.device) - t0) * 1000
             self.expand_ms = ms if self.expand_ms is None else 0.8 * self.expand_ms + 0.2 * ms
-            top = logp.topk(k)
-            values, ids = top.values.tolist(), [self._token_ids(row) for row in top.indices]
+            values, indices = top_log_probs(logits, k)
+            values, ids = values.tolist(), [self._token_ids(row) for row in indices]
             frontier = []
             for r, n in enumerate(expand):
                 for v, i in zip(values[r], ids[r], strict=True):
@@ -303,6 +305,18 @@ class ConfidenceTree(Drafter):
             self.calibration = 0.9 * self.calibration + 0.1 * min(accepted / self._expected, 2.0)
         if self._offered:
             self.lookup_value = 0.9 * self.lookup_value + 0.1 * copied
+
+
+def top_log_probs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """(R, V) logits → each row's k most probable tokens' log-probabilities and ids, (R, k) each: by
+    the kernel library's `stepops.top` where it takes them (bf16 rows on the CPU: no float copy of a
+    row, ~6× faster on the embedded model's 49k vocabulary), else through torch's log-softmax."""
+    fast = stepops.top(logits, k)
+    if fast is not None:
+        values, indices, norms = fast
+        return values - norms[:, None], indices
+    top = torch.log_softmax(logits.float(), dim=-1).topk(k)
+    return top.values, top.indices
 
 
 def closed(order: list[int], parent: list[int], budget: int) -> list[int]:

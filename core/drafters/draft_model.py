@@ -74,19 +74,18 @@ class DraftModelDrafter(ConfidenceTree):
         return True
 
     @torch.inference_mode()
-    def _log_probs(self, hidden: Tensor) -> Tensor:
-        logits = self.backend.logits(hidden).full()[:, : self.vocab_size]
-        return torch.log_softmax(logits.float(), dim=-1)
+    def _logits(self, hidden: Tensor) -> Tensor:
+        return self.backend.logits(hidden).full()[:, : self.vocab_size]
 
     def _start(self) -> tuple[Tensor, Any]:
-        return self._log_probs(self._last)[0], None
+        return self._logits(self._last)[0], None
 
     def _expand(self, inputs: list[Any], tokens: list[int], position: int, mask: Tensor) -> tuple[Tensor, list[Any]]:
         ids = torch.tensor(tokens, device=self.device)
         positions = torch.full((len(tokens),), position, device=self.device)
         with torch.inference_mode():
             hidden, _ = self.backend.run(ids, positions, mask, self.cache)
-        return self._log_probs(hidden), [None] * len(tokens)
+        return self._logits(hidden), [None] * len(tokens)
 
     def _min_chance(self, curve: CostCurve) -> float:
         """A depth more is drafted while a node is likely enough to be accepted that the token it

@@ -132,7 +132,7 @@ class _MidLayer(fast.LeanLayer):
 
 class LeanEagle3(LeanDraft):
     """`Eagle3Draft` on packed weights, a `LeanDraft` (its cache and room for rows): fc → the layer on a
-    StaticKV; `log_probs` reads out through norm and the draft's lm_head."""
+    StaticKV; `logits` reads out through norm and the draft's lm_head."""
 
     def __init__(self, draft: Eagle3Draft, dtype: torch.dtype) -> None:  # not LeanDraft's: another layer
         device = draft.fc.weight.device
@@ -158,5 +158,5 @@ class LeanEagle3(LeanDraft):
         embedded = self.embed(ids).to(self.dtype)
         return self.layer.run(features.to(self.dtype), embedded, self.rope(positions), cache, past, mask, causal)
 
-    def log_probs(self, predicted: Tensor) -> Tensor:
-        return torch.log_softmax(self.readout(self.norm(predicted)).float(), dim=-1)
+    def logits(self, predicted: Tensor) -> Tensor:
+        return self.readout(self.norm(predicted))

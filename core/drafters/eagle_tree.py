@@ -144,7 +144,7 @@ class EagleDrafter(ConfidenceTree):
         return self._flush()
 
     def _start(self) -> tuple[Tensor, Any]:
-        return self.lean.log_probs(self._last_out.view(1, -1))[0], self._last_out
+        return self.lean.logits(self._last_out.view(1, -1))[0], self._last_out
 
     def _expand(self, inputs: list[Any], tokens: list[int], position: int, mask: Tensor) -> tuple[Tensor, list[Any]]:
         ids = torch.tensor(tokens, device=self.device)
@@ -156,7 +156,7 @@ class EagleDrafter(ConfidenceTree):
             self.cache,
         )
         self.cache.length += len(tokens)
-        return self.lean.log_probs(out), list(out)
+        return self.lean.logits(out), list(out)
 
     def _length(self) -> int:
         return self.cache.length
