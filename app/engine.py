@@ -295,10 +295,9 @@ class Engine:
         loaded = self.require()
         if tree_name == AUTO:
             preset = load_preset(loaded.default_tree)
-            drafter = auto_drafter(
-                kind or self._default_kind(preset), loaded.heads, loaded.costs.curve, preset, loaded.trained,
-                loaded.corpus, loaded.eagle, loaded.draft,
-            )  # fmt: skip
+            kind, costs = kind or self._default_kind(preset), loaded.costs
+            parts = (loaded.heads, costs.curve, preset, loaded.trained, loaded.corpus, loaded.eagle, loaded.draft)
+            drafter = auto_drafter(kind, *parts, costs.rates(kind))
         else:
             preset = load_preset(tree_name)
             tree = preset.tree.to(loaded.backbone.model.device)

@@ -61,7 +61,7 @@ def engine_for(spec, past, device: str = "cuda", dtype: str = "bfloat16", quanti
         init_from_backbone(eagle, model)  # the layer starts as the backbone's last
     eagle = eagle.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype).eval()
     engine = Engine(spec.name)
-    costs = SimpleNamespace(curve=lambda: None, needed=False)
+    costs = SimpleNamespace(curve=lambda: None, needed=False, rates=lambda kind: None)
     draft = DraftModel(spec.name, backbone.backend, model.config.vocab_size)  # the model drafting for itself
     engine.loaded = Loaded(backbone, heads, True, "cpu-8", costs, past, eagle, draft)
     return engine

@@ -151,7 +151,7 @@ def virtual_engine(model, heads, eagle, past: Corpus):
 
     engine = Engine("tiny")  # no replies added to the past ones: every test drafts from the same
     backbone = Backbone("tiny", model, ByteTokenizer(), ())
-    costs = SimpleNamespace(curve=lambda: None, needed=False)  # the policy's prior curve
+    costs = SimpleNamespace(curve=lambda: None, needed=False, rates=lambda kind: None)  # the policy's prior curve
     draft = draft_model(model.dtype, virtual_gpu=True)
     engine.loaded = Loaded(backbone, heads, True, "cpu-8", costs, past, eagle, draft)
     return engine

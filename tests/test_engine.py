@@ -238,7 +238,11 @@ def tiny_engine(model: str, draft: str | None = None, **options):
     import app.engine
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(app.engine, "step_costs", lambda *_: SimpleNamespace(curve=lambda: None, needed=False))
+        mp.setattr(
+            app.engine,
+            "step_costs",
+            lambda *_: SimpleNamespace(curve=lambda: None, needed=False, rates=lambda kind: None),
+        )
         engine = app.engine.Engine(model, dtype=options.pop("dtype", "float32"), draft_model=draft, **options)
         engine.start().result()
         assert engine.error is None, engine.error

@@ -69,7 +69,9 @@ def loaded(request, tokenizer):
 
     backend = tiny_backend(request.param)
     backbone = Backbone("tiny", backend.model, tokenizer, (tokenizer.eos_token_id,), backend=backend)
-    costs = SimpleNamespace(curve=lambda: None, needed=False)  # the policy's prior curve, nothing to measure
+    costs = SimpleNamespace(
+        curve=lambda: None, needed=False, rates=lambda kind: None
+    )  # the policy's prior curve, nothing to measure
     return Loaded(backbone, random_heads(backend.model), True, "cpu-8", costs, corpus(), eagle_layer(backend))
 
 

@@ -10,6 +10,7 @@ import torch
 
 from core.drafters.base import NoDrafter
 from core.drafters.switch import EVERY, FIRST_GAP, MAX_GAP, SHARE, SIT_OUT, TURNS, Fastest
+from core.measure.rates import RateMemory
 
 TRIAL = 2 * TURNS  # the steps of a trial between two drafters
 
@@ -192,3 +193,34 @@ def test_the_reference_and_the_leader_take_every_trial():
     switch = Fastest({"eagle": Fake(), "plain": NoDrafter()}, reference="plain")
     taken = trials_taken(switch, 5000, lambda name: 0.01 if name == "plain" else 0.03)
     assert len(taken) > 3 and all(t == ("eagle", "plain") for t in taken)
+
+
+def test_a_new_session_starts_on_the_leader_its_last_one_measured(tmp_path):
+    """Trials are remembered at each trial's end; a new session with the same memory starts on the
+    leader they name, without an opening trial (its first follows FIRST_GAP steps in), where a
+    session without memory runs the reference through its first trials."""
+    memory = RateMemory(tmp_path, "model|machine|hybrid")
+    first = Fastest({"plain": Fake(), "heads": Fake()}, reference="plain", memory=memory)
+    run(first, 2 * TRIAL + FIRST_GAP, lambda name, step: 2 if name == "heads" else 1)
+    assert first.leader() == "heads" and memory.path.exists()
+    again = Fastest({"plain": Fake(), "heads": Fake()}, reference="plain", memory=memory)
+    assert again.rate("heads") == pytest.approx(200) and again.rate("plain") == pytest.approx(100)
+    ran = run(again, FIRST_GAP, lambda name, step: 2 if name == "heads" else 1)
+    assert ran == Counter(heads=FIRST_GAP)
+    assert run(again, TRIAL, lambda name, step: 1) == Counter(heads=TRIAL // 2, plain=TRIAL // 2)  # its own trial
+    fresh = Fastest({"plain": Fake(), "heads": Fake()}, reference="plain")
+    assert run(fresh, FIRST_GAP, lambda name, step: 2 if name == "heads" else 1)["plain"] > TRIAL // 2
+    other = Fastest({"plain": Fake(), "heads": Fake()}, reference="plain", memory=RateMemory(tmp_path, "another"))
+    assert other.rate("heads") is None  # another model's or machine's rates are not these
+
+
+def test_a_damaged_memory_is_dropped_with_one_sentence(tmp_path):
+    said = []
+    memory = RateMemory(tmp_path, "k", said.append)
+    for damaged in ("{not json", '{"format": 1, "key": "k", "trials": {"heads": [[[1, -0.5]]]}}'):
+        memory.path.write_text(damaged)
+        switch = Fastest({"plain": Fake(), "heads": Fake()}, reference="plain", memory=memory)
+        assert switch.rate("heads") is None and not memory.path.exists()
+    assert len(said) == 2 and all("damaged" in s for s in said)
+    memory.path.write_text('{"format": 0, "key": "k", "trials": {}}')  # another version's: dropped quietly
+    assert memory.load(["heads"]) == {} and len(said) == 2

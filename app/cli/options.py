@@ -206,7 +206,17 @@ def setup(args: argparse.Namespace, kinds: tuple[str, ...] | None, fixed: tuple[
     if auto and kinds:
         costs = step_costs(backbone, parts.heads if own.heads else None)
         drafters = {
-            k: auto_drafter(k, parts.heads, costs.curve, preset, parts.trained, parts.corpus, parts.eagle, parts.draft)
+            k: auto_drafter(
+                k,
+                parts.heads,
+                costs.curve,
+                preset,
+                parts.trained,
+                parts.corpus,
+                parts.eagle,
+                parts.draft,
+                costs.rates(k),
+            )
             for k in kinds
         }
     else:

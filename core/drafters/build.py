@@ -25,6 +25,7 @@ from core.drafters.policy import Policy, prior_accuracy
 from core.drafters.retrieval import Corpus
 from core.drafters.switch import Fastest
 from core.errors import UserError
+from core.measure.rates import RateMemory
 
 
 def make_drafter(
@@ -68,6 +69,7 @@ def auto_drafter(
     corpus: Corpus | None = None,
     eagle: EagleDraft | None = None,
     draft: DraftModel | None = None,
+    memory: RateMemory | None = None,
 ) -> Drafter:
     """The policy-driven drafter for `kind`: the heads (if it drafts with them) with their prior
     from `preset`'s calibration (untrained ones start near 0, and draft only in a kind that copies
@@ -75,7 +77,8 @@ def auto_drafter(
     tree chosen from the costs `curve()`. A kind that requires the EAGLE layer `eagle` drafts with
     it and both lookups, its node count chosen from the costs; one for which it is OPTIONAL runs
     whichever of the two decodes faster on this machine, measured as it runs, where the model has a
-    layer. The same for the draft model `draft`."""
+    layer. The same for the draft model `draft`. `memory`: where that race's trials are remembered
+    between launches (`core.measure.rates`)."""
     row = registry.kind(kind)
     if row.eagle == registry.REQUIRED:
         return eagle_drafter(eagle, curve, corpus if row.retrieval else None)
@@ -93,7 +96,9 @@ def auto_drafter(
         contenders["heads"] = auto_drafter(kind, heads, curve, preset, trained, corpus)
         if optional["eagle"] is not None:
             contenders["eagle"] = eagle_drafter(eagle, curve, corpus)
-        return Fastest(contenders | {"plain": NoDrafter()}, reference="plain")  # a tree runs once measurably faster
+        return Fastest(
+            contenders | {"plain": NoDrafter()}, reference="plain", memory=memory
+        )  # a tree runs once measurably faster
     # untrained heads (Medusa's identity init: each head the lm_head on the same hidden state) guess
     # the root's token again at every depth; where the lookups draft (they copy repeats), the heads
     # would only add their lm_head's cost to the steps that try them

@@ -35,6 +35,11 @@ two writing prompts and then ran at 361 tok/s where the heads' tree made 423). W
 drafter that is not running comes to have the best rate, the next trial follows `FIRST_GAP`
 steps later, so the evidence that decides comes soon (such trials are cheap: the drafters are
 close), and the gaps double from there while it stays so.
+
+With a `memory` (`core.measure.rates`), every trial's end is remembered for the next launch on
+this machine, and a new session whose memory holds `EVIDENCE` trials of each drafter starts on the
+leader they name, its own first trial `FIRST_GAP` steps in: without it a new session's first reply
+ran mostly the reference while the contenders were measured.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from torch import Tensor
 
 from core.drafters.base import Draft, Drafter
 from core.drafters.policy import Choice
+from core.measure.rates import RateMemory
 
 TURNS = 8  # steps each drafter takes in one trial
 EVERY = 160  # steps between trials at first, and after a trial that changed the leader
@@ -63,9 +69,12 @@ CONFIDENCE = 2.0  # standard errors by which a drafter must beat the reference t
 
 
 class Fastest(Drafter):
-    def __init__(self, drafters: dict[str, Drafter], reference: str | None = None) -> None:
+    def __init__(
+        self, drafters: dict[str, Drafter], reference: str | None = None, memory: RateMemory | None = None
+    ) -> None:
         """`reference`: the drafter that runs unless another is measured faster with confidence
-        (None: the first named runs until rates decide, then the fastest)."""
+        (None: the first named runs until rates decide, then the fastest); `memory`: the trials of
+        earlier sessions, read now and written at each trial's end."""
         self.drafters = drafters
         self.reference = reference
         self.trials: dict[str, deque[list[tuple[int, float]]]] = {n: deque(maxlen=MEMORY) for n in drafters}
@@ -83,6 +92,12 @@ class Fastest(Drafter):
         self._losses = dict.fromkeys(drafters, 0)  # clear losses in a row (2^(n−1) trials out)
         self._turn = 0
         self._open = False  # each drafter's tally for the running trial is open
+        self.memory = memory
+        for name, kept in (memory.load(self._names) if memory is not None else {}).items():
+            self.trials[name].extend(kept)
+        if all(len(self.trials[n]) >= EVIDENCE for n in self._names):  # remembered: no opening trial
+            self.active = self._runs = self.leader()
+            self._trial, self._gap = 0, FIRST_GAP
 
     def _steps(self, name: str) -> list[tuple[int, float]]:
         return [step for trial in self.trials[name] for step in trial]
@@ -186,6 +201,8 @@ class Fastest(Drafter):
                 lost = {name: self._lost(name, leader) for name in self._taking if name != leader}
                 self._gap = max(self._gap, self._costly_gap(leader, lost))
                 self._sit_out(leader, lost)
+                if self.memory is not None:
+                    self.memory.save(self.trials)
         self.drafters[self.active].observe(draft, emitted, seconds)
 
     def _sit_out(self, leader: str, lost: dict[str, float]) -> None:

@@ -32,6 +32,7 @@ from core.drafters.policy import RANKS, CostCurve
 from core.measure import attention
 from core.measure.clock import synchronizer, time_ms
 from core.measure.profile import machine, shaped_tree
+from core.measure.rates import RateMemory
 
 MAX_NODES = 41  # the largest step the policy drafts: the root, 32 head nodes and 8 lookup nodes
 # Every node count is measured, coarse ones first (what a cut budget leaves is still a curve): a
@@ -187,6 +188,10 @@ class StepCosts:
         self.seconds = time.perf_counter() - t0
         self._curve = curve
         self.say(f"step cost measured in {self.seconds:.1f} s")
+
+    def rates(self, kind: str) -> RateMemory:
+        """Where the switch between drafters of `kind` remembers its trials on this machine."""
+        return RateMemory(self.store.folder, f"{self.key}|drafter {kind}", self.say)
 
     def measure(self) -> CostCurve | None:
         """Measure now, in this thread, if not known yet."""
