@@ -96,8 +96,16 @@ class Fastest(Drafter):
         for name, kept in (memory.load(self._names) if memory is not None else {}).items():
             self.trials[name].extend(kept)
         if all(len(self.trials[n]) >= EVIDENCE for n in self._names):  # remembered: no opening trial
-            self.active = self._runs = self.leader()
-            self._trial, self._gap = 0, FIRST_GAP
+            self._resume()
+
+    def _resume(self) -> None:
+        """Start from remembered trials as from the end of the last one: their leader runs, the
+        first trial follows `FIRST_GAP` steps in (later where the losers' turns would cost more
+        than `SHARE`), and a clear loser sits it out (EAGLE's turns with AVX2 kernels)."""
+        leader = self.active = self._runs = self.leader()
+        lost = {name: self._lost(name, leader) for name in self._names if name != leader}
+        self._trial, self._gap = 0, max(FIRST_GAP, self._costly_gap(leader, lost))
+        self._sit_out(leader, lost)
 
     def _steps(self, name: str) -> list[tuple[int, float]]:
         return [step for trial in self.trials[name] for step in trial]
