@@ -205,20 +205,8 @@ def setup(args: argparse.Namespace, kinds: tuple[str, ...] | None, fixed: tuple[
     costs = None  # the machine's step-cost curve (the caller measures it when `needed`, at an idle moment)
     if auto and kinds:
         costs = step_costs(backbone, parts.heads if own.heads else None)
-        drafters = {
-            k: auto_drafter(
-                k,
-                parts.heads,
-                costs.curve,
-                preset,
-                parts.trained,
-                parts.corpus,
-                parts.eagle,
-                parts.draft,
-                costs.rates(k),
-            )
-            for k in kinds
-        }
+        made = (parts.heads, costs.curve, preset, parts.trained, parts.corpus, parts.eagle, parts.draft)
+        drafters = {k: auto_drafter(k, *made, costs.rates(k)) for k in kinds}
     else:
         drafters = {k: fixed_drafter(k, preset) for k in kinds}
     drafters |= {f: fixed_drafter(f.partition("@")[0], p) for f, p in fixed_presets.items()}

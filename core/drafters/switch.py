@@ -37,9 +37,10 @@ steps later, so the evidence that decides comes soon (such trials are cheap: the
 close), and the gaps double from there while it stays so.
 
 With a `memory` (`core.measure.rates`), every trial's end is remembered for the next launch on
-this machine, and a new session whose memory holds `EVIDENCE` trials of each drafter starts on the
-leader they name, its own first trial `FIRST_GAP` steps in: without it a new session's first reply
-ran mostly the reference while the contenders were measured.
+this machine, and a new session whose memory holds `EVIDENCE` trials of each drafter starts as
+after that last trial (`_resume`): the leader they name runs, its own first trial follows
+`FIRST_GAP` steps in (or later, by the `SHARE` rule) and a clear loser sits it out. Without it a
+new session's first reply ran mostly the reference while the contenders were measured.
 """
 
 from __future__ import annotations
