@@ -186,9 +186,8 @@ def top(x: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor] | None:
     """Each row's k largest logits, their indices and the row's log-sum-exp (`top.c`) for bf16
     rows on the CPU, (R, V) with contiguous rows: torch's `x.topk(k)` (its values as float32; of
     equal values the lower index first, where torch's order is its own) and `x.float().logsumexp(-1)`
-    to float rounding, with no copy of a row (on a 262k
-    vocabulary torch's take ~5 MB of working memory a row). None where the library does not take
-    them, or a row holds a NaN or +inf."""
+    to float rounding, with no copy of a row (on a 262k vocabulary torch's take ~5 MB of working
+    memory a row). None where the library does not take them, or a row holds a NaN or +inf."""
     lib = loaded()
     if lib is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() != 2:
         return None

@@ -104,9 +104,8 @@ class Fastest(Drafter):
         first trial follows `FIRST_GAP` steps in (later where the losers' turns would cost more
         than `SHARE`), and a clear loser sits it out (EAGLE's turns with AVX2 kernels)."""
         leader = self.active = self._runs = self.leader()
-        lost = {name: self._lost(name, leader) for name in self._names if name != leader}
-        self._trial, self._gap = 0, max(FIRST_GAP, self._costly_gap(leader, lost))
-        self._sit_out(leader, lost)
+        self._trial, self._gap = 0, FIRST_GAP
+        self._settle(leader, self._names)
 
     def _steps(self, name: str) -> list[tuple[int, float]]:
         return [step for trial in self.trials[name] for step in trial]
@@ -207,12 +206,17 @@ class Fastest(Drafter):
                     self._gap = FIRST_GAP if self._doubt else EVERY
                 else:
                     self._gap = min(2 * self._gap, MAX_GAP) if kept else EVERY
-                lost = {name: self._lost(name, leader) for name in self._taking if name != leader}
-                self._gap = max(self._gap, self._costly_gap(leader, lost))
-                self._sit_out(leader, lost)
+                self._settle(leader, self._taking)
                 if self.memory is not None:
                     self.memory.save(self.trials)
         self.drafters[self.active].observe(draft, emitted, seconds)
+
+    def _settle(self, leader: str, taking: list[str]) -> None:
+        """After a trial that `taking` took (or remembered ones): the gap to the next lengthened where
+        the losers' turns would cost more than `SHARE`, and which of them sit out."""
+        lost = {name: self._lost(name, leader) for name in taking if name != leader}
+        self._gap = max(self._gap, self._costly_gap(leader, lost))
+        self._sit_out(leader, lost)
 
     def _sit_out(self, leader: str, lost: dict[str, float]) -> None:
         """After a trial (`lost`: each other drafter's `_lost` seconds in it): which of its losers
