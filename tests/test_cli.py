@@ -73,8 +73,9 @@ def test_calibrate_writes_a_preset_that_decodes(tmp_path, random_heads_dir):
     result = cli("calibrate", *args, "--budgets", "0,2,4", "--out", str(out))
     assert result.returncode == 0, result.stderr
     preset = json.loads(out.read_text())
-    assert preset["drafter"] in ("medusa", "lookup", "hybrid") and len(preset["paths"]) in (0, 2, 4)
-    assert preset["calibration"]["replies"] == 2 and set(preset["calibration"]["verify_ms"]) >= {"1", "3", "5"}
+    assert preset["drafter"] in ("medusa", "lookup", "hybrid") and len(preset["paths"]) <= 4
+    # timed by the sizes the heads' accuracies can build: random heads may be right at few ranks
+    assert preset["calibration"]["replies"] == 2 and {"1"} < set(preset["calibration"]["verify_ms"])
     assert "tok/step" in result.stdout
     ours = generate_json(
         "--prompt", PROMPTS[0], "--tree", str(out), "--heads", random_heads_dir, "--max-new-tokens", "8"
