@@ -82,3 +82,27 @@ def test_every_node_of_random_trees_gets_its_one_token_steps_bits(kernel, bits, 
             one = attend.attention(q[node : node + 1], keys[:, order].contiguous(), values[:, order].contiguous(),
                                    len(order), None)  # fmt: skip
             assert torch.equal(one.view(heads, d), got[node]), (t, past, node)
+
+
+@pytest.mark.parametrize("kernel", ["dot", "dot-scores"])
+def test_the_dot_kernels_8_bit_scores_on_amx_tiles_are_its_own_bits(kernel):
+    """Where AMX runs, a dot kernel makes an 8-bit cache's scores of a block of many queries on the
+    tiles (`stepops.TILES`): the same exact integers as its VNNI products, so every output is the
+    same bits with the tiles and without, for a step, a tree and a prompt's block, masked or not."""
+    attend = ops(kernel)
+    if not attend.variant & stepops.TILES:
+        pytest.skip("this CPU (or its Linux) does not run AMX's tiles")
+    plain = stepops.Ops(attend.lib, attention=kernel)
+    plain.variant &= ~stepops.TILES
+    gen = torch.Generator().manual_seed(3)
+    heads, kv, d = 9, 3, 64
+    for rows, length in ((1, 700), (8, 90), (16, 1500), (64, 4100), (64, 64)):
+        keys, values = (to_kv8(torch.randn(kv, length, d, generator=gen).to(torch.bfloat16)) for _ in range(2))
+        q = torch.randn(rows, heads, d, generator=gen).to(torch.bfloat16)
+        mask = torch.zeros(rows, length, dtype=torch.bfloat16)
+        for r in range(rows):  # causal over the last rows' keys, as a prompt's block
+            mask[r, length - rows + r + 1 :] = float("-inf")
+        for m in (None, mask.view(1, 1, rows, length)):
+            assert torch.equal(
+                attend.attention(q, keys, values, length, m), plain.attention(q, keys, values, length, m)
+            )

@@ -21,7 +21,7 @@ _FILES = (
 )  # fmt: skip
 SOURCES = tuple(NATIVE / f"{name}.c" for name in _FILES)  # compiled together, with the headers
 HEADERS = (NATIVE / "common.h", NATIVE / "attend_amx.h")
-VERSION = 32  # q4_version() of the source above
+VERSION = 33  # q4_version() of the source above
 FLAGS = ("-O3", "-shared", "-fPIC", "-fopenmp")
 
 

@@ -363,7 +363,8 @@ TAMXB void q4_part_amx(int amx, int kv8, int64_t n, int64_t d, const uint16_t *c
                        int64_t open, const uint16_t *const *mask, float *scores, float *scratch, float *top,
                        float *total, float *acc) {
   int dot = amx & AMX_DOT; /* the products in vectors (attend_dot.c) */
-  amx &= ~AMX_DOT;
+  int tiled = dot && amx & AMX_TILES && n >= DOT_FEW; /* but an 8-bit block's scores on the tiles: same ints */
+  amx = AMX_MODE(amx);
   int64_t length = to - from, padded = (length + KEYS16 - 1) / KEYS16 * KEYS16, bytes = kv8 ? KV8_ROW(d) : 2 * d;
   uint32_t *qt = (uint32_t *)(scratch + 256);
   const char *kp = (const char *)k + from * bytes, *vp = (const char *)v + from * bytes;
@@ -377,7 +378,7 @@ TAMXB void q4_part_amx(int amx, int kv8, int64_t n, int64_t d, const uint16_t *c
     float *made = dot && amx == 2 && ahead ? w.units : 0;
     for (int64_t j = 0; ahead && amx == 2 && !made && j < length; j++) /* the line of each value's scale, read */
       _mm_prefetch((const char *)(ahead + j * KV8_ROW(d) + d), _MM_HINT_T1); /* first by weights_amx (1-8 % less) */
-    q4_scores_amx8(dot, n, d, q, scale, (const int8_t *)kp, ahead, made, length, padded, scratch, (int8_t *)qt,
+    q4_scores_amx8(dot && !tiled, n, d, q, scale, (const int8_t *)kp, ahead, made, length, padded, scratch, (int8_t *)qt,
                    (int8_t *)(qt + 8 * d), (float *)(qt + 24 * d), scores);
     if (made) units = made;
     if (amx != 2) weighted512_8(n, d, v, from, to, open, mask, scores, top, total, acc);

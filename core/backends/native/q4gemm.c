@@ -33,7 +33,7 @@
 #define PF_ROWS 12 /* a one-to-four-row pass (reg512; to L2: twice as far) */
 #define PF8 6      /* an 8-bit pass (pair512_8; to L2: twice as far) */
 
-int q4_version(void) { return 32; }
+int q4_version(void) { return 33; }
 
 int q4_to_l2; /* common.h's PREFETCH_W: which passes prefetch to L2 (L2_FEW, L2_EIGHT) */
 

@@ -102,7 +102,8 @@ int q4_attend(int isa, int amx, int threads, int64_t t, int64_t heads, int64_t k
   float *results = malloc(sizeof(float) * (size_t)(kv_heads * blocks * parts * stride));
   /* 8-bit values on AMX for several blocks a kv head: made into B tiles once here for all of them (the
    * dot kernel's widened to int16 pairs: attend_dot.c's q4_dot_pairs16) */
-  int paired = kv8 && (amx & ~AMX_DOT) == 2 && blocks > 1 && first == 0, tiles = amx && !(amx & AMX_DOT);
+  int dot = amx & AMX_DOT, paired = kv8 && AMX_MODE(amx) == 2 && blocks > 1 && first == 0;
+  int tiles = amx && (!dot || amx & AMX_TILES); /* the tile unit used (AMX, or dot's 8-bit scores) */
   int64_t w32 = (length + 31) / 32 * 32; /* a kv head's rows there */
   size_t widened = (size_t)(kv_heads * w32) * (sizeof(uint16_t) * (size_t)d + sizeof(float)); /* tiles, scales */
   uint16_t *wide = paired ? malloc(widened) : 0;
@@ -125,11 +126,11 @@ int q4_attend(int isa, int amx, int threads, int64_t t, int64_t heads, int64_t k
 #pragma omp for schedule(static) collapse(2)
       for (int64_t g = 0; g < kv_heads; g++)
         for (int64_t j = 0; j < length; j += 256)
-          (tiles ? q4_pair_values : q4_dot_pairs16)((const int8_t *)v + (size_t)(g * capacity + j) * row, d,
+          (dot ? q4_dot_pairs16 : q4_pair_values)((const int8_t *)v + (size_t)(g * capacity + j) * row, d,
                                                      length - j < 256 ? length - j : 256,
                                                      wide + (g * w32 + j) * d, units + g * w32 + j);
     }
-    if (tiles) q4_amx_begin(); /* the tile unit's configuration (AMX_DOT: no tiles) */
+    if (tiles) q4_amx_begin(); /* the tile unit's configuration (AMX_DOT without AMX_TILES: none) */
 #pragma omp for schedule(static) collapse(3)
     for (int64_t g = 0; g < kv_heads; g++) /* a thread's tasks in order: a part's blocks one after another */
       for (int64_t p = 0; p < parts; p++)  /* (its keys and values then read from the memory once) */
