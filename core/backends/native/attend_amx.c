@@ -363,7 +363,8 @@ TAMXB void q4_part_amx(int amx, int kv8, int64_t n, int64_t d, const uint16_t *c
                        int64_t open, const uint16_t *const *mask, float *scores, float *scratch, float *top,
                        float *total, float *acc) {
   int dot = amx & AMX_DOT; /* the products in vectors (attend_dot.c) */
-  int tiled = dot && amx & AMX_TILES && n >= DOT_FEW; /* but an 8-bit block's scores on the tiles: same ints */
+  int onboard = dot && amx & AMX_TILES;         /* but an 8-bit cache's integers on the tiles: the same ones */
+  int tiled = onboard && n >= DOT_FEW;          /* (the scores of a block of many queries) */
   amx = AMX_MODE(amx);
   int64_t length = to - from, padded = (length + KEYS16 - 1) / KEYS16 * KEYS16, bytes = kv8 ? KV8_ROW(d) : 2 * d;
   uint32_t *qt = (uint32_t *)(scratch + 256);
@@ -393,7 +394,8 @@ TAMXB void q4_part_amx(int amx, int kv8, int64_t n, int64_t d, const uint16_t *c
   if (w.ints) {
     /* the keys and values after the part's: the next part's where this thread takes the next (step.c) */
     const int8_t *next = wide ? 0 : (const int8_t *)kp + length * bytes;
-    q4_dot_values8(n, d, (const int8_t *)vp, wide ? (const int16_t *)wide + from * d : 0, length, scores, padded,
+    const int16_t *made = !wide ? 0 : onboard ? (const int16_t *)((const int8_t *)wide + from * d) : (const int16_t *)wide + from * d;
+    q4_dot_values8(onboard, n, d, (const int8_t *)vp, made, length, scores, padded,
                    w.units, w.pb, w.p32, acc, next, (const int8_t *)vp + length * bytes);
   } else {
     values_amx(dot, n, d, vp, kv8, wide ? wide + from * d : 0, length, seen, mask, from, scores, padded, acc, &w);

@@ -40,6 +40,8 @@ TAMXB void q4_scores_amx8(int dot, int64_t n, int64_t d, const uint16_t *const *
                           int64_t length, int64_t padded, float *tile, int8_t *qt, int8_t *tail, float *qs,
                           float *s);
 TAMXB void q4_pairs8(const int8_t *const *rows, int64_t c, int tiles, uint16_t *out);
+TAMXB void q4_tile_values8(int64_t n, int64_t d, const int8_t *quads, int64_t length, const uint16_t *w16,
+                           int64_t stride, int32_t *sums);
 
 /* attend_dot.c's: the tile products in AVX-512 vectors (`dot`: a pass on a CPU without AMX). A
  * pass of fewer queries than DOT_FEW makes its scores a lane a key. */
@@ -51,7 +53,7 @@ TAMXB void q4_dot_scores_few(int64_t n, int64_t d, const uint32_t *qt, const uin
 TAMXB void q4_dot_scores8(int64_t d, const uint32_t *qt, const int8_t *rows, int64_t row, int32_t *tile);
 TAMXB void q4_dot_scores8_few(int64_t n, int64_t d, const uint32_t *qu, const int8_t *rows, int64_t row,
                               const float *ks, const float *qs, float *s, int64_t padded);
-TAMXB void q4_dot_values8(int64_t n, int64_t d, const int8_t *v, const int16_t *wide, int64_t length, const float *p,
+TAMXB void q4_dot_values8(int tiles, int64_t n, int64_t d, const int8_t *v, const int16_t *wide, int64_t length, const float *p,
                           int64_t padded, const float *units, uint16_t *w16, int64_t stride, float *acc,
                           const int8_t *next, const int8_t *next_v);
 #endif

@@ -7,6 +7,9 @@
 void q4_pair_values(const int8_t *rows, int64_t d, int64_t count, uint16_t *out, float *units) {
   (void)rows, (void)d, (void)count, (void)out, (void)units;
 }
+void q4_quads8(const int8_t *rows, int64_t d, int64_t count, uint16_t *out, float *units) {
+  (void)rows, (void)d, (void)count, (void)out, (void)units;
+}
 #else
 
 /* Block j0's 16 keys: where they lie in the cache, or the last ones copied to `tail` with zeros
@@ -165,5 +168,84 @@ TAMXB void q4_pair_values(const int8_t *rows, int64_t d, int64_t count, uint16_t
     q4_pairs8(r, 0, (int)(d / 16), out + kb * d);
   }
   for (int64_t j = 0; j < count; j++) units[j] = kv8_scale(rows + j * KV8_ROW(d), d);
+}
+
+/* Rows [0, count) of 8-bit values (KV8_ROW apart, count a multiple of 4 or the last rows) as the B
+ * tiles of q4_tile_values8: four keys side by side, dim by dim (key quad r's dims [16b, 16b + 16)
+ * at out + r · 4d + 64b bytes: dim i's four keys at 4i), the last quad's missing keys and the
+ * quads after it up to a multiple of 16 quads zeros; their scales to `units`. What a many-row
+ * pass's query blocks share (step.c), as q4_dot_pairs16 for the vectors. */
+TAMXB void q4_quads8(const int8_t *rows, int64_t d, int64_t count, uint16_t *out, float *units) {
+  int64_t row = KV8_ROW(d), quads = (count + 3) / 4, filled = (quads + 15) / 16 * 16;
+  int8_t *o = (int8_t *)out;
+  for (int64_t r = 0; r < quads; r++)
+    for (int64_t c = 0; c < d; c += 64) {
+      __m512i x[4];
+      for (int k = 0; k < 4; k++)
+        x[k] = 4 * r + k < count ? _mm512_loadu_si512(rows + (4 * r + k) * row + c) : _mm512_setzero_si512();
+      __m512i ab0 = _mm512_unpacklo_epi8(x[0], x[1]), ab1 = _mm512_unpackhi_epi8(x[0], x[1]);
+      __m512i cd0 = _mm512_unpacklo_epi8(x[2], x[3]), cd1 = _mm512_unpackhi_epi8(x[2], x[3]);
+      /* a 128-bit lane L of q[i]: the quads of dims 16L + 4i .. 16L + 4i + 3 */
+      __m512i q0 = _mm512_unpacklo_epi16(ab0, cd0), q1 = _mm512_unpackhi_epi16(ab0, cd0);
+      __m512i q2 = _mm512_unpacklo_epi16(ab1, cd1), q3 = _mm512_unpackhi_epi16(ab1, cd1);
+      __m512i t0 = _mm512_shuffle_i64x2(q0, q1, 0x44), t1 = _mm512_shuffle_i64x2(q0, q1, 0xEE);
+      __m512i t2 = _mm512_shuffle_i64x2(q2, q3, 0x44), t3 = _mm512_shuffle_i64x2(q2, q3, 0xEE);
+      int8_t *at = o + r * 4 * d + 4 * c;
+      _mm512_storeu_si512(at, _mm512_shuffle_i64x2(t0, t2, 0x88));       /* dims c .. c + 15 */
+      _mm512_storeu_si512(at + 64, _mm512_shuffle_i64x2(t0, t2, 0xDD));  /* c + 16 .. */
+      _mm512_storeu_si512(at + 128, _mm512_shuffle_i64x2(t1, t3, 0x88)); /* c + 32 .. */
+      _mm512_storeu_si512(at + 192, _mm512_shuffle_i64x2(t1, t3, 0xDD)); /* c + 48 .. */
+    }
+  memset(o + quads * 4 * d, 0, (size_t)((filled - quads) * 4 * d));
+  for (int64_t j = 0; j < count; j++) units[j] = kv8_scale(rows + j * row, d);
+}
+
+/* sums (n ≤ 16 rows of d int32) = Σ_j w16[m][j] · value j over keys [0, length) on the tiles:
+ * each int16 weight (0 … 32767) as its high byte (`tdpbssd`) and low byte (`tdpbusd`, unsigned)
+ * against q4_quads8's B tiles (`quads`, from the part's first key), 64 keys a product, and the two
+ * sums joined as 256 · high + low: the exact integers of q4_dot_values8's `vpdpwssd` (an integer sum
+ * has no order; the total fits in 32 bits, so the join's wrap-around is exact). The tiles are
+ * configured (q4_amx_begin); w16: n rows of `stride` int16 (those from `length` on not read). */
+TAMXB void q4_tile_values8(int64_t n, int64_t d, const int8_t *quads, int64_t length, const uint16_t *w16,
+                           int64_t stride, int32_t *sums) {
+  int64_t chunks = (length + 63) / 64;
+  int8_t hi[16 * 64], lo[16 * 64];
+  int32_t c[4][256];
+  for (int64_t c2 = 0; c2 < d; c2 += 32) { /* 32 dims a pass: tiles 0-1 high sums, 2-3 low, 4-5 A, 6-7 B */
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t ch = 0; ch < chunks; ch++) {
+      int64_t j0 = ch * 64, left = length - j0 < 64 ? length - j0 : 64;
+      __mmask32 first = left >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << left) - 1);
+      __mmask32 second = left >= 64 ? ~(__mmask32)0 : left > 32 ? (((__mmask32)1 << (left - 32)) - 1) : 0;
+      for (int64_t m = 0; m < 16; m++)
+        for (int h = 0; h < 2; h++) {
+          __m512i w = m < n ? _mm512_maskz_loadu_epi16(h ? second : first, w16 + m * stride + j0 + 32 * h)
+                            : _mm512_setzero_si512();
+          _mm256_storeu_si256((__m256i *)(lo + m * 64 + 32 * h), _mm512_cvtepi16_epi8(w));
+          _mm256_storeu_si256((__m256i *)(hi + m * 64 + 32 * h), _mm512_cvtepi16_epi8(_mm512_srli_epi16(w, 8)));
+        }
+      _tile_loadd(4, hi, 64);
+      _tile_loadd(5, lo, 64);
+      const int8_t *b = quads + j0 * d + 4 * c2; /* quad j0 / 4 at j0 · d bytes */
+      _tile_loadd(6, b, 4 * d);
+      _tile_loadd(7, b + 64, 4 * d);
+      _tile_dpbssd(0, 4, 6);
+      _tile_dpbssd(1, 4, 7);
+      _tile_dpbusd(2, 5, 6);
+      _tile_dpbusd(3, 5, 7);
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    _tile_stored(2, c[2], 64);
+    _tile_stored(3, c[3], 64);
+    for (int64_t m = 0; m < n; m++)
+      for (int t = 0; t < 2; t++) {
+        __m512i high = _mm512_loadu_si512(c[t] + 16 * m), low = _mm512_loadu_si512(c[2 + t] + 16 * m);
+        _mm512_storeu_si512(sums + m * d + c2 + 16 * t, _mm512_add_epi32(_mm512_slli_epi32(high, 8), low));
+      }
+  }
 }
 #endif

@@ -237,10 +237,11 @@ TDOT static inline __attribute__((always_inline)) void values8_g(const int G, in
  * a query's bits depend on its own weights and values only: not on the queries it is grouped with,
  * nor on the slots its keys sit in (a tree's node gets those of a one-token step). acc: n × d;
  * w16: n rows of `stride` int16 (stride ≥ length rounded up to even); wide: the values widened
- * already (q4_dot_pairs16's, from the part's first key), or NULL; next, next_v: the keys and values
+ * already (q4_dot_pairs16's, from the part's first key; with `tiles`, q4_quads8's, the sums then
+ * made on the configured tiles: q4_tile_values8), or NULL; next, next_v: the keys and values
  * of the part a thread likely takes next (`length` of each prefetched to L2 as the values are read
  * from it; NULL: none). */
-TDOT void q4_dot_values8(int64_t n, int64_t d, const int8_t *v, const int16_t *wide, int64_t length, const float *p,
+TDOT void q4_dot_values8(int tiles, int64_t n, int64_t d, const int8_t *v, const int16_t *wide, int64_t length, const float *p,
                          int64_t padded, const float *units, uint16_t *w16, int64_t stride, float *acc,
                          const int8_t *next, const int8_t *next_v) {
   float unit[AMX_QUERIES];
@@ -260,7 +261,9 @@ TDOT void q4_dot_values8(int64_t n, int64_t d, const int8_t *v, const int16_t *w
     for (int64_t j = padded; j < stride; j++) wm[j] = 0;
   }
   int32_t *sums = (int32_t *)acc; /* made in place, then scaled */
-  for (int64_t m = 0; m < n; m += VALUE_GROUP) {
+  if (tiles && wide) /* on the tiles: the same integers */
+    q4_tile_values8(n, d, (const int8_t *)wide, length, w16, stride, sums);
+  for (int64_t m = 0; m < n && !(tiles && wide); m += VALUE_GROUP) {
     int64_t g = n - m < VALUE_GROUP ? n - m : VALUE_GROUP;
     const uint16_t *wg = w16 + m * stride;
     int32_t *sg = sums + m * d;

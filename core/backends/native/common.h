@@ -331,6 +331,7 @@ void q4_amx_begin(void);
 void q4_amx_end(void);
 void q4_pair_values(const int8_t *rows, int64_t d, int64_t count, uint16_t *out, float *units);
 void q4_dot_pairs16(const int8_t *rows, int64_t d, int64_t count, uint16_t *out, float *units);
+void q4_quads8(const int8_t *rows, int64_t d, int64_t count, uint16_t *out, float *units);
 void q4_part_amx(int amx, int kv8, int64_t n, int64_t d, const uint16_t *const *q, float scale, const void *k,
                  const void *v, const uint16_t *wide, const float *wide_units, int64_t from, int64_t to,
                  int64_t open, const uint16_t *const *mask, float *scores, float *scratch, float *top, float *total,

@@ -103,7 +103,8 @@ int q4_attend(int isa, int amx, int threads, int64_t t, int64_t heads, int64_t k
   /* 8-bit values on AMX for several blocks a kv head: made into B tiles once here for all of them (the
    * dot kernel's widened to int16 pairs: attend_dot.c's q4_dot_pairs16) */
   int dot = amx & AMX_DOT, paired = kv8 && AMX_MODE(amx) == 2 && blocks > 1 && first == 0;
-  int tiles = amx && (!dot || amx & AMX_TILES); /* the tile unit used (AMX, or dot's 8-bit scores) */
+  int tiles = amx && (!dot || amx & AMX_TILES); /* the tile unit used (AMX, or dot's 8-bit integers) */
+  int quads = paired && dot && amx & AMX_TILES;  /* the values as q4_quads8's B tiles (else int16 pairs) */
   int64_t w32 = (length + 31) / 32 * 32; /* a kv head's rows there */
   size_t widened = (size_t)(kv_heads * w32) * (sizeof(uint16_t) * (size_t)d + sizeof(float)); /* tiles, scales */
   uint16_t *wide = paired ? malloc(widened) : 0;
@@ -125,10 +126,14 @@ int q4_attend(int isa, int amx, int threads, int64_t t, int64_t heads, int64_t k
     if (wide) {
 #pragma omp for schedule(static) collapse(2)
       for (int64_t g = 0; g < kv_heads; g++)
-        for (int64_t j = 0; j < length; j += 256)
-          (dot ? q4_dot_pairs16 : q4_pair_values)((const int8_t *)v + (size_t)(g * capacity + j) * row, d,
-                                                     length - j < 256 ? length - j : 256,
-                                                     wide + (g * w32 + j) * d, units + g * w32 + j);
+        for (int64_t j = 0; j < length; j += 256) {
+          const int8_t *rows = (const int8_t *)v + (size_t)(g * capacity + j) * row;
+          int64_t count = length - j < 256 ? length - j : 256;
+          if (quads) /* key j's quad at j · d bytes of its head's */
+            q4_quads8(rows, d, count, (uint16_t *)((int8_t *)(wide + g * w32 * d) + j * d), units + g * w32 + j);
+          else
+            (dot ? q4_dot_pairs16 : q4_pair_values)(rows, d, count, wide + (g * w32 + j) * d, units + g * w32 + j);
+        }
     }
     if (tiles) q4_amx_begin(); /* the tile unit's configuration (AMX_DOT without AMX_TILES: none) */
 #pragma omp for schedule(static) collapse(3)
