@@ -44,8 +44,7 @@ TAMXB void q4_tile_values8(int64_t n, int64_t d, const int8_t *quads, int64_t le
                            int64_t stride, int32_t *sums);
 
 /* attend_dot.c's: the tile products in AVX-512 vectors (`dot`: a pass on a CPU without AMX). A
- * pass of fewer queries than DOT_FEW makes its scores a lane a key. */
-#define DOT_FEW 8
+ * pass of fewer queries than DOT_FEW (common.h) makes its scores a lane a key. */
 TAMXB void q4_dot_product(int rows, int tiles, const void *a, int64_t lda, const uint16_t *pairs, float *c);
 TAMXB void q4_dot_scores(int64_t d, const uint32_t *qt, const uint16_t *rows, float *tile);
 TAMXB void q4_dot_scores_few(int64_t n, int64_t d, const uint32_t *qt, const uint16_t *rows, float scale, float *s,

@@ -325,6 +325,7 @@ static inline int amx_mode(int isa, int64_t d, int64_t window) {
   return (isa & ISA_AMX_VALUES && !window ? 2 : 1) | (isa & ISA_DOT ? AMX_DOT | tiles : 0);
 }
 #define AMX_QUERIES 16 /* the most queries one AMX part serves (a tile's columns) */
+#define DOT_FEW 8      /* the dot kernel's passes of fewer queries make their scores a lane a key */
 #define AMX_WORK(padded, d) (4608 + 40 * (d) + 9 * ((padded) + 32)) /* its scratch besides the scores, floats */
 int q4_amx_attention(void);
 void q4_amx_begin(void);

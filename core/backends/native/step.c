@@ -103,8 +103,10 @@ int q4_attend(int isa, int amx, int threads, int64_t t, int64_t heads, int64_t k
   /* 8-bit values on AMX for several blocks a kv head: made into B tiles once here for all of them (the
    * dot kernel's widened to int16 pairs: attend_dot.c's q4_dot_pairs16) */
   int dot = amx & AMX_DOT, paired = kv8 && AMX_MODE(amx) == 2 && blocks > 1 && first == 0;
-  int tiles = amx && (!dot || amx & AMX_TILES); /* the tile unit used (AMX, or dot's 8-bit integers) */
-  int quads = paired && dot && amx & AMX_TILES;  /* the values as q4_quads8's B tiles (else int16 pairs) */
+  int quads = paired && dot && amx & AMX_TILES; /* the values as q4_quads8's B tiles (else int16 pairs) */
+  /* the tile unit used: AMX's, or the dot kernel's 8-bit integers of blocks of many queries (a
+   * one-token step's few queries keep the vectors, and the tiles unconfigured) */
+  int tiles = amx && (!dot || (amx & AMX_TILES && (size >= DOT_FEW || quads)));
   int64_t w32 = (length + 31) / 32 * 32; /* a kv head's rows there */
   size_t widened = (size_t)(kv_heads * w32) * (sizeof(uint16_t) * (size_t)d + sizeof(float)); /* tiles, scales */
   uint16_t *wide = paired ? malloc(widened) : 0;
