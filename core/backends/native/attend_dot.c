@@ -241,8 +241,8 @@ TDOT static inline __attribute__((always_inline)) void values8_g(const int G, in
  * made on the configured tiles: q4_tile_values8), or NULL; next, next_v: the keys and values
  * of the part a thread likely takes next (`length` of each prefetched to L2 as the values are read
  * from it; NULL: none). */
-TDOT void q4_dot_values8(int tiles, int64_t n, int64_t d, const int8_t *v, const int16_t *wide, int64_t length, const float *p,
-                         int64_t padded, const float *units, uint16_t *w16, int64_t stride, float *acc,
+TDOT void q4_dot_values8(int tiles, int64_t n, int64_t d, const int8_t *v, const int16_t *wide, int64_t length,
+                         const float *p, int64_t padded, const float *units, uint16_t *w16, int64_t stride, float *acc,
                          const int8_t *next, const int8_t *next_v) {
   float unit[AMX_QUERIES];
   for (int64_t m = 0; m < n; m++) { /* the weights in int16 */

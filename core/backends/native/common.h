@@ -313,12 +313,13 @@ void weighted512_8(int64_t n, int64_t d, const int8_t *v, int64_t from, int64_t 
 #define ISA_DOT 32       /* AMX's attention with its tile products in AVX-512 vectors (attend_dot.c) */
 #define ISA_TILES 64     /* with ISA_DOT: the CPU has AMX's tiles and this process may use them */
 #define AMX_DOT 4        /* q4_attend's `amx` plus this: ISA_DOT's */
-#define AMX_TILES 8      /* and this: an 8-bit cache's scores of a block of many queries on the tiles */
+#define AMX_TILES 8      /* and this: an 8-bit cache's integers (scores, weighted values) on the tiles */
 #define AMX_MODE(amx) ((amx) & ~(AMX_DOT | AMX_TILES)) /* 1 or 2, as below */
 /* q4_attend's `amx` for heads of d in a layer with a sliding window of `window` (0: none): 0
  * vectors, 1 scores on AMX, 2 scores and values on AMX; plus AMX_DOT for ISA_DOT, and with it
  * AMX_TILES for ISA_TILES over 8-bit keys (the tile unit's `tdpbssd` and attend_dot.c's `vpdpbusd`
- * make the same exact integers: the same bits, ~2× faster for 16 queries than the vectors). */
+ * make the same exact integers, as do the values' int16 weights split into two bytes: the same
+ * bits, at AMX's speed for blocks of many queries; attend_amx8.c's q4_tile_values8). */
 static inline int amx_mode(int isa, int64_t d, int64_t window) {
   if (!(isa & ISA_AMX_SCORES) || d % (isa & ISA_KV8 ? 64 : 32)) return 0; /* 8-bit: 64 int8 a tile row */
   int tiles = isa & ISA_DOT && isa & ISA_TILES && isa & ISA_KV8 ? AMX_TILES : 0;
