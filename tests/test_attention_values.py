@@ -85,10 +85,11 @@ def test_every_node_of_random_trees_gets_its_one_token_steps_bits(kernel, bits, 
 
 
 @pytest.mark.parametrize("kernel", ["dot", "dot-scores"])
-def test_the_dot_kernels_8_bit_scores_on_amx_tiles_are_its_own_bits(kernel):
-    """Where AMX runs, a dot kernel makes an 8-bit cache's scores of a block of many queries on the
-    tiles (`stepops.TILES`): the same exact integers as its VNNI products, so every output is the
-    same bits with the tiles and without, for a step, a tree and a prompt's block, masked or not."""
+def test_the_dot_kernels_8_bit_integers_on_amx_tiles_are_its_own_bits(kernel):
+    """Where AMX runs, a dot kernel makes an 8-bit cache's scores (and, for "dot", weighted values)
+    of a block of many queries on the tiles (`stepops.TILES`): the same exact integers as its VNNI
+    products, so every output is the same bits with the tiles and without, for a step, a tree and a
+    prompt's block, masked or not."""
     attend = ops(kernel)
     if not attend.variant & stepops.TILES:
         pytest.skip("this CPU (or its Linux) does not run AMX's tiles")

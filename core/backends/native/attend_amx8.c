@@ -205,30 +205,30 @@ TAMXB void q4_quads8(const int8_t *rows, int64_t d, int64_t count, uint16_t *out
  * against q4_quads8's B tiles (`quads`, from the part's first key), 64 keys a product, and the two
  * sums joined as 256 · high + low: the exact integers of q4_dot_values8's `vpdpwssd` (an integer sum
  * has no order; the total fits in 32 bits, so the join's wrap-around is exact). The tiles are
- * configured (q4_amx_begin); w16: n rows of `stride` int16 (those from `length` on not read). */
+ * configured (q4_amx_begin); w16: n rows of `stride` int16 (those from `length` on not read); a
+ * part's keys, at most SPLIT. */
 TAMXB void q4_tile_values8(int64_t n, int64_t d, const int8_t *quads, int64_t length, const uint16_t *w16,
                            int64_t stride, int32_t *sums) {
-  int64_t chunks = (length + 63) / 64;
-  int8_t hi[16 * 64], lo[16 * 64];
+  int64_t chunks = (length + 63) / 64, ld = chunks * 64; /* the A planes' rows: every chunk's 64 keys */
+  int8_t hi[16 * SPLIT], lo[16 * SPLIT];
   int32_t c[4][256];
+  for (int64_t j0 = 0; j0 < ld; j0 += 32) { /* the weights split once for every pass (zeros past length) */
+    int64_t left = length - j0 < 32 ? (length - j0 > 0 ? length - j0 : 0) : 32;
+    __mmask32 keep = left >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << left) - 1);
+    for (int64_t m = 0; m < 16; m++) {
+      __m512i w = m < n ? _mm512_maskz_loadu_epi16(keep, w16 + m * stride + j0) : _mm512_setzero_si512();
+      _mm256_storeu_si256((__m256i *)(lo + m * ld + j0), _mm512_cvtepi16_epi8(w));
+      _mm256_storeu_si256((__m256i *)(hi + m * ld + j0), _mm512_cvtepi16_epi8(_mm512_srli_epi16(w, 8)));
+    }
+  }
   for (int64_t c2 = 0; c2 < d; c2 += 32) { /* 32 dims a pass: tiles 0-1 high sums, 2-3 low, 4-5 A, 6-7 B */
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    for (int64_t ch = 0; ch < chunks; ch++) {
-      int64_t j0 = ch * 64, left = length - j0 < 64 ? length - j0 : 64;
-      __mmask32 first = left >= 32 ? ~(__mmask32)0 : (((__mmask32)1 << left) - 1);
-      __mmask32 second = left >= 64 ? ~(__mmask32)0 : left > 32 ? (((__mmask32)1 << (left - 32)) - 1) : 0;
-      for (int64_t m = 0; m < 16; m++)
-        for (int h = 0; h < 2; h++) {
-          __m512i w = m < n ? _mm512_maskz_loadu_epi16(h ? second : first, w16 + m * stride + j0 + 32 * h)
-                            : _mm512_setzero_si512();
-          _mm256_storeu_si256((__m256i *)(lo + m * 64 + 32 * h), _mm512_cvtepi16_epi8(w));
-          _mm256_storeu_si256((__m256i *)(hi + m * 64 + 32 * h), _mm512_cvtepi16_epi8(_mm512_srli_epi16(w, 8)));
-        }
-      _tile_loadd(4, hi, 64);
-      _tile_loadd(5, lo, 64);
+    for (int64_t j0 = 0; j0 < ld; j0 += 64) {
+      _tile_loadd(4, hi + j0, ld);
+      _tile_loadd(5, lo + j0, ld);
       const int8_t *b = quads + j0 * d + 4 * c2; /* quad j0 / 4 at j0 · d bytes */
       _tile_loadd(6, b, 4 * d);
       _tile_loadd(7, b + 64, 4 * d);

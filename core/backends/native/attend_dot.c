@@ -263,15 +263,16 @@ TDOT void q4_dot_values8(int tiles, int64_t n, int64_t d, const int8_t *v, const
   int32_t *sums = (int32_t *)acc; /* made in place, then scaled */
   if (tiles && wide) /* on the tiles: the same integers */
     q4_tile_values8(n, d, (const int8_t *)wide, length, w16, stride, sums);
-  for (int64_t m = 0; m < n && !(tiles && wide); m += VALUE_GROUP) {
-    int64_t g = n - m < VALUE_GROUP ? n - m : VALUE_GROUP;
-    const uint16_t *wg = w16 + m * stride;
-    int32_t *sg = sums + m * d;
-    if (g == 4) values8_g(4, d, v, wide, length, wg, stride, sg, m ? 0 : next, next_v);
-    else if (g == 3) values8_g(3, d, v, wide, length, wg, stride, sg, m ? 0 : next, next_v);
-    else if (g == 2) values8_g(2, d, v, wide, length, wg, stride, sg, m ? 0 : next, next_v);
-    else values8_g(1, d, v, wide, length, wg, stride, sg, m ? 0 : next, next_v);
-  }
+  else
+    for (int64_t m = 0; m < n; m += VALUE_GROUP) {
+      int64_t g = n - m < VALUE_GROUP ? n - m : VALUE_GROUP;
+      const uint16_t *wg = w16 + m * stride;
+      int32_t *sg = sums + m * d;
+      if (g == 4) values8_g(4, d, v, wide, length, wg, stride, sg, m ? 0 : next, next_v);
+      else if (g == 3) values8_g(3, d, v, wide, length, wg, stride, sg, m ? 0 : next, next_v);
+      else if (g == 2) values8_g(2, d, v, wide, length, wg, stride, sg, m ? 0 : next, next_v);
+      else values8_g(1, d, v, wide, length, wg, stride, sg, m ? 0 : next, next_v);
+    }
   for (int64_t m = 0; m < n; m++)
     for (int64_t i = 0; i < d; i += 16) {
       __m512 x = _mm512_cvtepi32_ps(_mm512_loadu_si512(sums + m * d + i));
