@@ -392,11 +392,9 @@ TAMXB void q4_part_amx(int amx, int kv8, int64_t n, int64_t d, const uint16_t *c
   w.ints = dot && kv8; /* the weighted values in exact integers (attend_dot.c): no slots to keep */
   weights_amx(n, d, vp, kv8, units, from, to, seen, mask, scores, top, total, &w);
   if (w.ints) {
-    /* the keys and values after the part's: the next part's where this thread takes the next (step.c) */
-    const int8_t *next = wide ? 0 : (const int8_t *)kp + length * bytes;
     const void *at = !wide ? 0 : onboard ? (const void *)((const int8_t *)wide + from * d) : wide + from * d;
     q4_dot_values8(onboard, n, d, (const int8_t *)vp, at, length, scores, padded,
-                   w.units, w.pb, w.p32, acc, next, (const int8_t *)vp + length * bytes);
+                   w.units, w.pb, w.p32, acc);
   } else {
     values_amx(dot, n, d, vp, kv8, wide ? wide + from * d : 0, length, seen, mask, from, scores, padded, acc, &w);
   }

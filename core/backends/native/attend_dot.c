@@ -191,8 +191,7 @@ TDOT void q4_dot_pairs16(const int8_t *rows, int64_t d, int64_t count, uint16_t 
 /* sums (G rows of d int32) = Σ_j w16[m][j] · value j (keys [0, length), two at a time) for G queries. */
 TDOT static inline __attribute__((always_inline)) void values8_g(const int G, int64_t d, const int8_t *v,
                                                                 const int16_t *wide, int64_t length,
-                                                                const uint16_t *w16, int64_t stride, int32_t *sums,
-                                                                const int8_t *next, const int8_t *next_v) {
+                                                                const uint16_t *w16, int64_t stride, int32_t *sums) {
   int64_t row = KV8_ROW(d);
   for (int64_t c = 0; c < d; c += 64) {
     __m512i acc[VALUE_GROUP][4];
@@ -202,14 +201,8 @@ TDOT static inline __attribute__((always_inline)) void values8_g(const int G, in
       __m512i x[4];
       if (wide) {
         for (int i = 0; i < 4; i++) x[i] = _mm512_loadu_si512(wide + ((j / 2 * (d / 64) + c / 64) * 4 + i) * 32);
-      } else {
-        if (c == 0)
-          for (int64_t b = 0; b < 2 * row; b += 64) _mm_prefetch((const char *)(v + (j + 16) * row) + b, _MM_HINT_T0);
-        if (c == 0 && next) /* the next part's keys and values, two of each a pair (the memory's otherwise idle) */
-          for (int64_t b = 0; b < 2 * row; b += 64) {
-            _mm_prefetch((const char *)(next + j * row) + b, _MM_HINT_T1);
-            _mm_prefetch((const char *)(next_v + j * row) + b, _MM_HINT_T1);
-          }
+      } else { /* read as they come: the CPU's own prefetchers follow the rows (software prefetches
+                * here, ahead and of the following part, made a one-token step's attention 8-16 % slower) */
         widen_pair(v + j * row + c, j + 1 < length ? v + (j + 1) * row + c : 0, x);
       }
       for (int m = 0; m < G; m++) {
@@ -238,12 +231,9 @@ TDOT static inline __attribute__((always_inline)) void values8_g(const int G, in
  * nor on the slots its keys sit in (a tree's node gets those of a one-token step). acc: n × d;
  * w16: n rows of `stride` int16 (stride ≥ length rounded up to even); wide: the values widened
  * already (q4_dot_pairs16's, from the part's first key; with `tiles`, q4_quads8's, the sums then
- * made on the configured tiles: q4_tile_values8), or NULL; next, next_v: the keys and values
- * of the part a thread likely takes next (`length` of each prefetched to L2 as the values are read
- * from it; NULL: none). */
+ * made on the configured tiles: q4_tile_values8), or NULL. */
 TDOT void q4_dot_values8(int tiles, int64_t n, int64_t d, const int8_t *v, const int16_t *wide, int64_t length,
-                         const float *p, int64_t padded, const float *units, uint16_t *w16, int64_t stride, float *acc,
-                         const int8_t *next, const int8_t *next_v) {
+                         const float *p, int64_t padded, const float *units, uint16_t *w16, int64_t stride, float *acc) {
   float unit[AMX_QUERIES];
   for (int64_t m = 0; m < n; m++) { /* the weights in int16 */
     const float *pm = p + m * padded;
@@ -268,10 +258,10 @@ TDOT void q4_dot_values8(int tiles, int64_t n, int64_t d, const int8_t *v, const
       int64_t g = n - m < VALUE_GROUP ? n - m : VALUE_GROUP;
       const uint16_t *wg = w16 + m * stride;
       int32_t *sg = sums + m * d;
-      if (g == 4) values8_g(4, d, v, wide, length, wg, stride, sg, m ? 0 : next, next_v);
-      else if (g == 3) values8_g(3, d, v, wide, length, wg, stride, sg, m ? 0 : next, next_v);
-      else if (g == 2) values8_g(2, d, v, wide, length, wg, stride, sg, m ? 0 : next, next_v);
-      else values8_g(1, d, v, wide, length, wg, stride, sg, m ? 0 : next, next_v);
+      if (g == 4) values8_g(4, d, v, wide, length, wg, stride, sg);
+      else if (g == 3) values8_g(3, d, v, wide, length, wg, stride, sg);
+      else if (g == 2) values8_g(2, d, v, wide, length, wg, stride, sg);
+      else values8_g(1, d, v, wide, length, wg, stride, sg);
     }
   for (int64_t m = 0; m < n; m++)
     for (int64_t i = 0; i < d; i += 16) {
