@@ -375,3 +375,59 @@ def test_a_new_reply_forgets_what_the_lookup_matched_but_not_the_heads():
     assert p.reach(CONTEXT_KEY, CONTEXT_DEPTH) == matched
     drafter.propose(hidden, root, [9, 8, 7])  # another prompt: a new reply
     assert p.reach(CONTEXT_KEY, CONTEXT_DEPTH) == prior and CONTEXT_KEY not in p.realized
+
+
+def test_the_array_search_picks_the_option_every_pair_priced_alone_picks(monkeypatch):
+    import numpy as np
+
+    from core.drafters import estimates
+
+    monkeypatch.setattr(estimates, "SMALL_GRID", 0)  # every grid in arrays
+
+    gen = np.random.default_rng(0)
+    for trial in range(400):
+        gain = np.cumsum(gen.random(gen.integers(0, 33)) * gen.choice([0.1, 1.0])).tolist()
+        lookup_nodes = sorted(gen.integers(1, 20, gen.integers(0, 9)).tolist())
+        reaches = np.cumsum(gen.random(len(lookup_nodes))).tolist()
+        # a staircase with noise: some larger trees measured cheaper than smaller ones
+        steps = 1.0 + np.floor(np.arange(80) / gen.integers(1, 9)) * gen.random() + gen.random(80) * 0.05
+        table = np.round(steps, int(gen.integers(1, 4)))  # rounded: ties between options
+        heads_ms = float(gen.choice([0.0, 0.2, 1.5]))
+        for heads_only, sunk in itertools.product((False, True), repeat=2):
+            args = (gain, lookup_nodes, reaches, table, heads_ms, heads_only, sunk)
+            assert estimates.best_option(*args) == estimates._best_in_turn(*args), (trial, heads_only, sunk)
+
+
+def _greedy_order_pushing_every_child(accuracy, budget):
+    """Medusa §3.3.3's greedy tree as first written: each joined path pushes all its children."""
+    import heapq
+
+    k_heads, ranks = accuracy.shape
+    acc = accuracy.tolist()
+    frontier = [(-acc[0][r], (r,)) for r in range(ranks) if acc[0][r] > 0]
+    heapq.heapify(frontier)
+    paths, gains = [], []
+    while frontier and len(paths) < budget:
+        neg, path = heapq.heappop(frontier)
+        paths.append(path)
+        gains.append((gains[-1] if gains else 0.0) - neg)
+        if len(path) < k_heads:
+            for r in range(ranks):
+                if acc[len(path)][r] > 0:
+                    heapq.heappush(frontier, (neg * acc[len(path)][r], (*path, r)))
+    return paths, gains
+
+
+def test_the_greedy_tree_offering_children_in_turn_joins_the_same_paths_in_the_same_order():
+    from core.drafters.estimates import greedy_order
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        heads, ranks = int(torch.randint(1, 6, (1,), generator=gen)), int(torch.randint(1, 11, (1,), generator=gen))
+        acc = torch.rand(heads, ranks, generator=gen)
+        if trial % 3 == 0:  # coarse values: many ties, some exactly 0 or 1
+            acc = (acc * 4).round() / 4
+        elif trial % 3 == 1:
+            acc = acc * (torch.rand(heads, ranks, generator=gen) > 0.3)
+        for budget in (1, 5, 32, 64):
+            assert greedy_order(acc, budget) == _greedy_order_pushing_every_child(acc, budget), (trial, budget)

@@ -12,9 +12,11 @@ import heapq
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
+SMALL_GRID = 40  # `best_option`'s options priced one at a time up to this many (in arrays beyond)
 BINS = 10  # a head's probabilities in bins 0.1 wide, for how often candidates of each were right
 
 
@@ -32,21 +34,40 @@ def bin_middles() -> Tensor:
 def greedy_order(accuracy: Tensor, budget: int) -> tuple[list[tuple[int, ...]], list[float]]:
     """The `budget` rank paths with the highest estimated acceptance Π_k accuracy[k, r_k], in the
     order they join the tree (each node's parent first), and after each the expected accepted
-    tokens of the tree so far (the sum of its paths' Π accuracy). Ranks of accuracy 0 are never used."""
+    tokens of the tree so far (the sum of its paths' Π accuracy). Ranks of accuracy 0 are never used.
+
+    Best first from the root: a path joins when it is the best left whose parent joined (a
+    child's product is at most its parent's, accuracies being at most 1), ties to the lesser path.
+    A joined path offers its children in order of their products, the next only once the one
+    before has joined (with any that tie it at once), so a step pushes about two paths, not a
+    head's every rank: the same paths in the same order (tested against pushing them all)."""
     k_heads, ranks = accuracy.shape
     acc = accuracy.tolist()
-    frontier = [(-acc[0][r], (r,)) for r in range(ranks) if acc[0][r] > 0]
-    heapq.heapify(frontier)
+    ranked = [sorted((r for r in range(ranks) if row[r] > 0), key=lambda r, row=row: (-row[r], r)) for row in acc]
+    frontier: list[tuple[float, tuple[int, ...], float, int]] = []  # (-Π, path, the parent's -Π, group end)
+    offered: dict[tuple[int, ...], int] = {}  # a joined path → how many of its children are offered
+
+    def offer(neg: float, parent: tuple[int, ...], i: int) -> None:
+        """The parent's children from its i-th best on, as many as tie the i-th's product."""
+        row, order = acc[len(parent)], ranked[len(parent)]
+        j, key = i, neg * row[order[i]] if i < len(order) else 0.0
+        while j < len(order) and neg * row[order[j]] == key:
+            j += 1
+        for r in order[i:j]:
+            heapq.heappush(frontier, (key, (*parent, r), neg, j))
+        offered[parent] = j
+
+    offer(-1.0, (), 0)
     paths: list[tuple[int, ...]] = []
     gains: list[float] = []
     while frontier and len(paths) < budget:
-        neg, path = heapq.heappop(frontier)
+        neg, path, parent_neg, end = heapq.heappop(frontier)
         paths.append(path)
         gains.append((gains[-1] if gains else 0.0) - neg)
+        if offered[path[:-1]] == end:  # the first of its group to join: the next group is offered
+            offer(parent_neg, path[:-1], end)
         if len(path) < k_heads:
-            for r in range(ranks):
-                if acc[len(path)][r] > 0:
-                    heapq.heappush(frontier, (neg * acc[len(path)][r], (*path, r)))
+            offer(neg, path, 0)
     return paths, gains
 
 
@@ -77,3 +98,50 @@ class CostCurve:
 # Before this machine's curve is measured: a steep guess (a many-row forward costs 20 % more a
 # node), so the policy risks little until it knows better.
 PRIOR_CURVE = CostCurve({1: 1.0, 64: 13.6}, 0.2)
+
+
+def best_option(
+    gain: list[float], lookup_nodes: list[int], reaches: list[float], table: np.ndarray, heads_ms: float,
+    heads_only: bool = False, sunk: bool = False,
+) -> tuple[int, int, int, float]:  # fmt: skip
+    """The tree step with the most expected tokens per ms, as (head budget, lookup cut, nodes, ms):
+    `gain[b - 1]` the drafted tokens expected of b head nodes, a cut to k tokens adds
+    `lookup_nodes[k - 1]` nodes expected to match `reaches[k - 1]` tokens (the better of the two
+    counts), `table[n]` the step's ms at n nodes (long enough for every option), `heads_ms` paid
+    by every option with head nodes (`sunk`: by every option, the heads having run; budget 0 is
+    then allowed with no cut, and else only with a cut, unless `heads_only`). Every pair is priced
+    at once, in arrays (the cost curve is a staircase, so no cut or budget can be skipped); the
+    first best in cut-major order wins a tie. (0, 0, 1, 0.0) where no option is allowed."""
+    if (len(gain) + 1) * (len(lookup_nodes) + 1) <= SMALL_GRID:  # one at a time: arrays would cost more
+        return _best_in_turn(gain, lookup_nodes, reaches, table, heads_ms, heads_only, sunk)
+    gains = np.array([0.0, *gain])
+    extra = np.array([0, *lookup_nodes])
+    context = np.array([0.0, *reaches])
+    budgets = np.arange(len(gains))
+    nodes = 1 + budgets[None, :] + extra[:, None]  # (cuts, budgets)
+    ms = table[nodes] + np.where((budgets > 0) | sunk, heads_ms, 0.0)
+    rate = (1 + np.maximum(gains[None, :], context[:, None])) / ms
+    if not sunk:  # budget 0: only with a cut, and not where a head node is required
+        rate[slice(None) if heads_only else 0, 0] = -np.inf
+    best = int(np.argmax(rate))
+    if rate.flat[best] == -np.inf:
+        return 0, 0, 1, 0.0
+    cut, budget = divmod(best, len(gains))
+    return budget, cut, int(nodes[cut, budget]), float(ms[cut, budget])
+
+
+def _best_in_turn(
+    gain: list[float], lookup_nodes: list[int], reaches: list[float], table: np.ndarray, heads_ms: float,
+    heads_only: bool, sunk: bool,
+) -> tuple[int, int, int, float]:  # fmt: skip
+    """`best_option`'s choice, each option priced in turn."""
+    best, best_rate = (0, 0, 1, 0.0), -1.0
+    for cut in range(len(lookup_nodes) + 1):
+        extra, context = (lookup_nodes[cut - 1], reaches[cut - 1]) if cut else (0, 0.0)
+        for budget in range(0 if sunk or (cut and not heads_only) else 1, len(gain) + 1):
+            nodes = 1 + budget + extra
+            ms = float(table[nodes]) + (heads_ms if budget or sunk else 0.0)
+            rate = (1 + max(gain[budget - 1] if budget else 0.0, context)) / ms
+            if rate > best_rate:
+                best, best_rate = (budget, cut, nodes, ms), rate
+    return best

@@ -41,9 +41,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from core.drafters import estimates
 from core.drafters.estimates import BINS, PRIOR_CURVE, CostCurve, bin_middles, greedy_order, probability_bins
 from core.sequences import common_prefix
 
@@ -173,7 +175,7 @@ class Policy:
         self._reach: dict[Lookup, list[float]] = {}  # expected matched tokens by cut length (cached)
         self.scales = {False: 1.0, True: 1.0}  # observed ÷ the curve's step time, for plain and tree steps
         self._curve: CostCurve | None = None
-        self._ms: list[float] = []
+        self._ms = np.zeros(0)  # the curve's step ms by node count (`_table`)
         self._floor = 0.01
         self._seen = {False: False, True: False}  # whether a plain / tree step was timed against this curve
         self.since_heads = 0  # steps since the heads last drafted
@@ -261,7 +263,7 @@ class Policy:
 
     def plain_ms(self) -> float:
         """A plain step's expected ms on the current curve, as plain steps really ran (0 before any curve)."""
-        return self._ms[1] * self.scales[False] if self._ms else 0.0
+        return float(self._ms[1]) * self.scales[False] if len(self._ms) else 0.0
 
     def heads_ms(self) -> float:
         return self._current().heads_ms * self.scales[True]
@@ -293,22 +295,21 @@ class Policy:
         head nodes, the lookup's continuations cut to k tokens (`lookup_nodes[k - 1]` nodes), or
         both; `heads_only`: at least one head node; `sunk`: the heads ran already (their cost in
         every option, plain included). Every cut is priced, as the cost curve is a staircase."""
-        ms_at, curve = self._ms, self._curve
-        cuts = range(len(lookup_nodes) + 1) if self._uses(lookup) else range(1)
-        best, best_rate = (0, 0, 1, 0.0), -1.0  # (budget, cut, nodes, ms)
-        for cut in cuts:
-            extra, context = (lookup_nodes[cut - 1], self.reach(lookup, cut)) if cut else (0, 0.0)
-            for budget in range(0 if sunk or (cut and not heads_only) else 1, len(gain) + 1):
-                nodes = 1 + budget + extra
-                ms = (ms_at[nodes] if nodes < len(ms_at) else curve.at(nodes)) + (heads_ms if budget or sunk else 0)
-                rate = (1 + max(gain[budget - 1] if budget else 0.0, context)) / ms
-                if rate > best_rate:
-                    best, best_rate = (budget, cut, nodes, ms), rate
+        cuts = len(lookup_nodes) if self._uses(lookup) else 0
+        reaches = [self.reach(lookup, cut) for cut in range(1, cuts + 1)]
+        table = self._table(1 + len(gain) + max(lookup_nodes[:cuts], default=0))
+        best = estimates.best_option(list(gain), list(lookup_nodes[:cuts]), reaches, table, heads_ms, heads_only, sunk)
         budget, cut, nodes, ms = best
         tokens = 1 + max(gain[budget - 1] if budget else 0.0, self.reach(lookup, cut) if cut else 0.0)
         parts = [f"{budget} head nodes"] * bool(budget) + [f"{nodes - 1 - budget} {label(lookup)} nodes"] * bool(cut)
         ms *= self.scales[True]
         return Choice(budget, cut, nodes, tokens, ms, " + ".join(parts), budget > 0 or sunk, lookup_key=lookup)
+
+    def _table(self, most: int) -> np.ndarray:
+        """The current curve's step ms by node count, up to `most` nodes at least."""
+        if len(self._ms) <= most:
+            self._ms = np.concatenate([self._ms, [self._curve.at(n) for n in range(len(self._ms), most + 1)]])
+        return self._ms
 
     def calibrated(self, probs: Tensor) -> Tensor:
         """(heads, RANKS) probabilities → how often such candidates were right, per head."""
@@ -318,9 +319,9 @@ class Policy:
         curve = self.curve() or PRIOR_CURVE
         if curve is not self._curve:  # a newly measured curve: what was learned against the old one is void
             self._curve, self.scales, self._seen = curve, {False: 1.0, True: 1.0}, {False: False, True: False}
-            self._ms = [curve.at(n) for n in range(TABULATED)]  # at() per node count, looked up each step
+            self._ms = np.array([curve.at(n) for n in range(TABULATED)])  # at() per node count, looked up each step
             # a path less likely than half a node's share of a step's cost never pays for its node
-            self._floor = max(0.001, (self._ms[MAX_BUDGET + 1] - self._ms[1]) / (2 * MAX_BUDGET * self._ms[1]))
+            self._floor = float(max(0.001, (self._ms[MAX_BUDGET + 1] - self._ms[1]) / (2 * MAX_BUDGET * self._ms[1])))
         return curve
 
     # -- learning --------------------------------------------------------------------------------

@@ -120,10 +120,11 @@ class Corpus:
             if m == longest:
                 ids = index.ids
                 for s in starts:
-                    path = ids[s : s + length]
-                    cut = path.index(SEPARATOR) if SEPARATOR in path else len(path)
-                    if cut:
-                        paths.append(tuple(path[:cut]))
+                    path = tuple(ids[s : s + length])
+                    if SEPARATOR in path:  # the document ends within it
+                        path = path[: path.index(SEPARATOR)]
+                    if path:
+                        paths.append(path)
         return _greedy_paths(paths, branches)
 
 
