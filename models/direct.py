@@ -16,9 +16,6 @@ memory-mapped, so pages of the file never count in the process's memory.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import functools
 import json
 import os
 import re
@@ -29,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor, nn
 
+from core import heap
 from core.backends import lean
 from core.errors import UserError
 from models import light
@@ -37,7 +35,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 LAYER = re.compile(r"\.layers\.(\d+)\.")  # a decoder layer's weight, by the index it carries
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 CHUNK = 8 << 20  # bytes of a large tensor's values read, cast or dequantized at a time
 ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -108,7 +105,7 @@ def packed_model(
         raise UserError(f"The weights of {gguf or folder} do not read ({e}).") from e
     finally:
         source.close()
-    give_back_freed_memory()
+    heap.give_back()
     return model
 
 
@@ -126,39 +123,6 @@ def fused(model: PreTrainedModel) -> dict[tuple[str, ...], tuple[int, str]]:
         for i, prefix in prefixes.items()
         for parent, packed, parts in lean.GROUPS
     }
-
-
-def give_back_freed_memory() -> None:
-    """Return the heap the load freed to the system (glibc keeps it otherwise); nothing elsewhere."""
-    if (libc := _glibc()) is not None:
-        libc.malloc_trim(0)
-
-
-@contextlib.contextmanager
-def large_blocks_apart():
-    """Blocks of a MiB or more each mapped apart while weights load and pack, so each goes back to
-    the system when freed. glibc otherwise raises that threshold as large blocks are freed and
-    carves later ones from the heap, where the packed weights kept between a load's short-lived
-    working copies fragment it: the process grew by most of those copies (a quarter of a model's
-    float32 size, measured). After it, glibc's ceiling for the raised threshold (32 MiB)."""
-    libc = _glibc()
-    if libc is not None:
-        libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
-    try:
-        yield
-    finally:
-        if libc is not None:
-            libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
-
-
-@functools.cache
-def _glibc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim, libc.mallopt  # noqa: B018 (glibc's, or not glibc)
-    except (OSError, AttributeError):
-        return None
-    return libc
 
 
 def fill(
@@ -195,16 +159,16 @@ def fill(
             if reader is None or not reader.take(leaf, value):
                 _put(model, name, value)
             del value  # a packed weight's full-precision copy goes before the next is read
-            give_back_freed_memory()  # and its heap: Gemma 3 270M's load peaked ~4 MB lower than a trim a layer
+            heap.give_back()  # and its heap: Gemma 3 270M's load peaked ~4 MB lower than a trim a layer
         if name == embedding:
             shared = lean.share_vocabulary(model, head_kernel)
-            give_back_freed_memory()
+            heap.give_back()
         if match is not None:
             index = int(match.group(1))
             waiting[index] -= 1
             if not waiting[index]:  # the layer's last weight: packed now, its full-precision weights freed
                 lean.pack_layer(layers[index], kernel)
-                give_back_freed_memory()  # the freed weights' heap, before the next layer fragments it
+                heap.give_back()  # the freed weights' heap, before the next layer fragments it
     if _ties(model) and not shared:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
     if left := [name for name, p in model.named_parameters() if p.is_meta]:

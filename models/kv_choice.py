@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from core import heap
 from core.backends import stepops
 from core.measure import cpu_attention, kernels, kv_fidelity
 
@@ -42,12 +43,10 @@ def _measure(backend, ids: torch.Tensor) -> float:
     """The divergence, its working copies (a 262k vocabulary's logits: MBs each) each given back
     to the system when freed, not kept in the heap beside the model (Gemma 3 270M's first
     launch peaked 17 MB lower)."""
-    from models.direct import give_back_freed_memory, large_blocks_apart
-
     print("checking this model's answers with 8-bit keys and values (once, two prompt reads)…", file=sys.stderr)
-    with large_blocks_apart():
+    with heap.large_blocks_apart():
         divergence = kv_fidelity.kv8_divergence(backend, ids)
-    give_back_freed_memory()
+    heap.give_back()
     return divergence
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from core import heap
 from core.backends import lean, q4
 from core.backends.base import Backend
 from core.backends.torch import TorchBackend
@@ -258,7 +259,7 @@ def load_backbone(
         # the tokenizer first: its working memory while it loads (~0.5 GB for a 262k vocabulary) is
         # given back before the weights come in, not added to them
         tokenizer = load_tokenizer(spec)
-        direct.give_back_freed_memory()
+        heap.give_back()
         model = _load_model(spec, config, options, quant, dev, choice)
     except torch.OutOfMemoryError as e:
         raise UserError(f"Out of GPU memory loading {spec.name}; choose a smaller model or --quantization nf4.") from e
@@ -286,7 +287,7 @@ def _backend(model: PreTrainedModel, choice: kernels.Choice | None, quant: str) 
     transformers' own forward, its linear layers transposed in float32 on the CPU)."""
     if choice is not None:
         record = _record()  # the lm_head's by-node choice is remembered with the kernels'
-        with direct.large_blocks_apart():
+        with heap.large_blocks_apart():
             return lean.accelerate(model, choice.kernel, choice.head_kernel, lambda h: kernels.head_by_row(h, record))
     if model.device.type == "cpu" and model.dtype == torch.float32 and quant == "none":
         transpose_linears(model)  # bf16 is the other way round: transposed weights are far slower
@@ -300,7 +301,7 @@ def _load_model(
     (`models.direct`: never the whole model in full precision); else through `from_pretrained`
     (a GGUF file converted first)."""
     if choice is not None and quant == "int4":
-        with direct.large_blocks_apart():
+        with heap.large_blocks_apart():
             model = direct.packed_model(
                 config, options["dtype"], choice.kernel, choice.head_kernel, spec.gguf, spec.folder
             )
