@@ -110,8 +110,9 @@ def best_option(
     counts), `table[n]` the step's ms at n nodes (long enough for every option), `heads_ms` paid
     by every option with head nodes (`sunk`: by every option, the heads having run; budget 0 is
     then allowed with no cut, and else only with a cut, unless `heads_only`). Every pair is priced
-    at once, in arrays (the cost curve is a staircase, so no cut or budget can be skipped); the
-    first best in cut-major order wins a tie. (0, 0, 1, 0.0) where no option is allowed."""
+    (the cost curve is a staircase, so no cut or budget can be skipped): at once in arrays where
+    there are more than `SMALL_GRID`, else one at a time; the first best in cut-major order wins a
+    tie. (0, 0, 1, 0.0) where no option is allowed."""
     if (len(gain) + 1) * (len(lookup_nodes) + 1) <= SMALL_GRID:  # one at a time: arrays would cost more
         return _best_in_turn(gain, lookup_nodes, reaches, table, heads_ms, heads_only, sunk)
     gains = np.array([0.0, *gain])
