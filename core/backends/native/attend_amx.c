@@ -257,8 +257,11 @@ TAMXB static void weights_amx(int64_t n, int64_t d, const char *v, int kv8, cons
                               int64_t to, int64_t seen, const uint16_t *const *mask, float *scores, float *top,
                               float *total, weights *w) {
   int64_t length = to - from, padded = PADDED(length), bytes = kv8 ? KV8_ROW(d) : 2 * d;
-  for (int64_t j = 0; kv8 && j < w->p32; j++) /* 1 past `length` (its weights are 0) */
-    w->units[j] = j >= length ? 1.0f : wide_units ? wide_units[j] : kv8_scale((const int8_t *)v + j * bytes, d);
+  if (kv8) { /* the values' scales (made already, perhaps in place: the scores' pass reads them), 1 past `length` */
+    if (wide_units && wide_units != w->units) memcpy(w->units, wide_units, sizeof(float) * (size_t)length);
+    for (int64_t j = 0; !wide_units && j < length; j++) w->units[j] = kv8_scale((const int8_t *)v + j * bytes, d);
+    for (int64_t j = length; j < w->p32; j++) w->units[j] = 1.0f; /* (their weights are 0) */
+  }
   const __m512 hidden = _mm512_set1_ps(-INFINITY);
   for (int64_t m = 0; m < n; m++) {
     float *sm = scores + m * padded;
