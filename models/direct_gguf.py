@@ -52,7 +52,9 @@ class Entry:
 
 def tensor_table(path: Path) -> tuple[dict, dict[str, Entry]]:
     """A GGUF file's scalar metadata and its tensors by name (`Unreadable` with its sentence where
-    it is no GGUF file or its header is cut short, ValueError where a tensor lies past its end)."""
+    it is empty, no GGUF file, its header is cut short or a tensor lies past its end)."""
+    if path.stat().st_size == 0:
+        raise Unreadable("the file is empty.")
     with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         if bytes(buf[:4]) != b"GGUF":  # as `headers.read_gguf` checks it
             raise Unreadable("it is not a GGUF file.")
@@ -74,7 +76,7 @@ def tensor_table(path: Path) -> tuple[dict, dict[str, Entry]]:
     for name, dims, kind, offset in infos:
         entry = _entry(gguf.GGMLQuantizationType(kind), dims, start + offset)
         if entry.offset + entry.length > size:
-            raise ValueError(f"its tensor {name} lies past the file's end (truncated)")
+            raise Unreadable(f"its tensor {name} lies past the file's end (truncated).")
         table[name] = entry
     return meta, table
 

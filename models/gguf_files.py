@@ -261,9 +261,9 @@ def check(gguf: Path) -> int:
     try:
         meta, table = tensor_table(gguf)
     except Unreadable as e:  # its message is the sentence why
-        raise UserError(f"{gguf} is damaged or truncated: {e}") from e
+        raise UserError(f"{gguf} cannot be read: {e}") from e
     except (ValueError, OSError) as e:
-        raise UserError(f"{gguf} is damaged or truncated: it does not read as a GGUF file ({e}).") from e
+        raise UserError(f"{gguf} cannot be read as a GGUF file ({e}); it may be damaged or truncated.") from e
     architecture = meta.get("general.architecture")
     architecture = architecture if isinstance(architecture, str) else None
     supported = supported_architectures()

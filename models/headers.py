@@ -88,6 +88,8 @@ def read_gguf(path: Path) -> dict:
         key = (str(path), st.st_size, st.st_mtime_ns)
         if key in _headers:
             return _headers[key]
+        if st.st_size == 0:
+            raise Unreadable("the file is empty.")
         if f.read(4) != b"GGUF":
             raise Unreadable("it is not a GGUF file.")
         if st.st_size < 24:

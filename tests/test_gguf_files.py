@@ -294,6 +294,13 @@ def _not_gguf(folder: Path) -> Path:
     return file
 
 
+def _cut_in_header(folder: Path) -> Path:
+    file = folder / "cut.gguf"
+    write_gguf(file, "Q8_0")
+    file.write_bytes(file.read_bytes()[:200])
+    return file
+
+
 def _empty(folder: Path) -> Path:
     file = folder / "empty.gguf"
     file.write_bytes(b"")
@@ -303,14 +310,15 @@ def _empty(folder: Path) -> Path:
 @pytest.mark.parametrize(
     "make, says",
     [
-        (_truncated, "damaged or truncated"),
-        (_empty, "damaged or truncated"),
-        (_not_gguf, "is damaged or truncated: it is not a GGUF file."),
+        (_truncated, "cannot be read: its tensor blk."),
+        (_cut_in_header, "cannot be read: the file ends inside its header (truncated or damaged)."),
+        (_empty, "cannot be read: the file is empty."),
+        (_not_gguf, "cannot be read: it is not a GGUF file."),
         (_bare, "has no tokenizer"),
         (_foreign, "the bert architecture, which transformers cannot load from GGUF; it loads these families: "),
         (lambda folder: folder / "missing.gguf", "There is no GGUF file at"),
     ],
-    ids=["truncated", "empty", "not-gguf", "no-tokenizer", "unsupported-architecture", "missing"],
+    ids=["truncated", "cut-in-header", "empty", "not-gguf", "no-tokenizer", "unsupported-architecture", "missing"],
 )
 def test_a_bad_gguf_file_is_refused_with_one_sentence(cache, tmp_path, capsys, make, says):
     file = make(tmp_path)
