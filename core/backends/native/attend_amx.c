@@ -236,6 +236,7 @@ typedef struct {
   float *cs, *units, *dots;
   int own[AMX_QUERIES]; /* whether query m has products of its own from `shared` on (values_amx) */
   int ints;             /* the weighted values in integers (q4_dot_values8): no bf16 weights to round */
+  float most[AMX_QUERIES]; /* with ints: each query's largest weight times its value's scale */
 } weights;
 
 TAMXB static void weights_at(float *scratch, int64_t length, int64_t seen, weights *w) {
@@ -252,7 +253,8 @@ static inline uint16_t tile_weight(float w) { return fabsf(w) < FLT_MIN ? 0 : fl
  * weights' rounding to bf16 for the tiles: each query's masked scores hidden, its top, then in
  * one pass over its row e^(score - top) (an exact 0 where hidden), their sum in WEIGHTED's order,
  * and the weight times its key's value scale (8-bit values) in bf16 to pb, up to `shared` for a
- * query with products of its own (values_amx), 0 past that. */
+ * query with products of its own (values_amx), 0 past that. With `ints` (q4_dot_values8's integer
+ * values) the row keeps each weight times its value's scale instead, and `most` their largest. */
 TAMXB static void weights_amx(int64_t n, int64_t d, const char *v, int kv8, const float *wide_units, int64_t from,
                               int64_t to, int64_t seen, const uint16_t *const *mask, float *scores, float *top,
                               float *total, weights *w) {
@@ -273,24 +275,32 @@ TAMXB static void weights_amx(int64_t n, int64_t d, const char *v, int kv8, cons
     for (int64_t j = length; j < padded; j++) sm[j] = -INFINITY;
     float t = top[m] = top512(padded, sm);
     if (!w->ints) memset(pb, 0, sizeof(uint16_t) * (size_t)w->p32);
+    w->most[m] = 0.0f;
     if (t == -INFINITY) { /* it sees no key of this part */
       memset(sm, 0, sizeof(float) * (size_t)padded);
       total[m] = 0.0f;
       continue;
     }
-    __m512 tv = _mm512_set1_ps(t);
+    __m512 tv = _mm512_set1_ps(t), most = _mm512_setzero_ps();
     __m512i sum = _mm512_setzero_si512(); /* in fixed point, as sums512 (common.h) */
     int64_t rounded = w->ints ? 0 : w->own[m] ? w->shared : padded; /* own: its products from `shared` on */
     for (int64_t j = 0; j < padded; j += 16) {
       __m512 x = _mm512_loadu_ps(sm + j);
       __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, hidden, _CMP_NEQ_OQ), exp512(_mm512_sub_ps(x, tv)));
-      _mm512_storeu_ps(sm + j, e);
+      if (w->ints) { /* the weight times its value's scale, as q4_dot_values8 takes it, and the largest */
+        __m512 scaled = _mm512_mul_ps(e, _mm512_loadu_ps(w->units + j));
+        _mm512_storeu_ps(sm + j, scaled);
+        most = _mm512_max_ps(most, scaled);
+      } else {
+        _mm512_storeu_ps(sm + j, e);
+      }
       sum = _mm512_add_epi32(sum, fixed512(e));
       if (j < rounded) /* to nearest even, a denormal to 0 (the instruction's; tile_weight's alike) */
         _mm256_storeu_si256((__m256i *)(pb + j),
                             (__m256i)_mm512_cvtneps_pbh(kv8 ? _mm512_mul_ps(e, _mm512_loadu_ps(w->units + j)) : e));
     }
     total[m] = (float)_mm512_reduce_add_epi32(sum) / SUM_UNIT;
+    w->most[m] = _mm512_reduce_max_ps(most);
   }
 }
 
@@ -396,8 +406,7 @@ TAMXB void q4_part_amx(int amx, int kv8, int64_t n, int64_t d, const uint16_t *c
   weights_amx(n, d, vp, kv8, units, from, to, seen, mask, scores, top, total, &w);
   if (w.ints) {
     const void *at = !wide ? 0 : onboard ? (const void *)((const int8_t *)wide + from * d) : wide + from * d;
-    q4_dot_values8(onboard, n, d, (const int8_t *)vp, at, length, scores, padded,
-                   w.units, w.pb, w.p32, acc);
+    q4_dot_values8(onboard, n, d, (const int8_t *)vp, at, length, scores, padded, w.most, w.pb, w.p32, acc);
   } else {
     values_amx(dot, n, d, vp, kv8, wide ? wide + from * d : 0, length, seen, mask, from, scores, padded, acc, &w);
   }

@@ -53,5 +53,5 @@ TAMXB void q4_dot_scores8(int64_t d, const uint32_t *qt, const int8_t *rows, int
 TAMXB void q4_dot_scores8_few(int64_t n, int64_t d, const uint32_t *qu, const int8_t *rows, int64_t row,
                               const float *ks, const float *qs, float *s, int64_t padded);
 TAMXB void q4_dot_values8(int tiles, int64_t n, int64_t d, const int8_t *v, const int16_t *wide, int64_t length,
-                          const float *p, int64_t padded, const float *units, uint16_t *w16, int64_t stride, float *acc);
+                          const float *p, int64_t padded, const float *most, uint16_t *w16, int64_t stride, float *acc);
 #endif

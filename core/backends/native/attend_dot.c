@@ -223,8 +223,9 @@ TDOT static inline __attribute__((always_inline)) void values8_g(const int G, in
 }
 
 /* The 8-bit cache's weighted values in exact integers (the dot kernel's, few queries or many): each
- * query's weights (e^(score - top) times the key's value scale: p[m·padded + j] · units[j]) rounded
- * to int16 on the query's own scale (its largest weight in the part ↦ 32767), then Σ w · v over the
+ * query's weights (e^(score - top) times the key's value scale, p[m·padded + j], as weights_amx
+ * makes them with their largest, most[m]) rounded to int16 on the query's own scale (that largest
+ * ↦ 32767), then Σ w · v over the
  * part's keys two at a time (`vpdpwssd`: exact, the int8 values widened to int16; a part's ≤ SPLIT
  * keys cannot overflow: 512 · 32767 · 128 < 2³¹), times that scale. An integer sum has no order, so
  * a query's bits depend on its own weights and values only: not on the queries it is grouped with,
@@ -233,19 +234,16 @@ TDOT static inline __attribute__((always_inline)) void values8_g(const int G, in
  * already (q4_dot_pairs16's, from the part's first key; with `tiles`, q4_quads8's, the sums then
  * made on the configured tiles: q4_tile_values8), or NULL. */
 TDOT void q4_dot_values8(int tiles, int64_t n, int64_t d, const int8_t *v, const int16_t *wide, int64_t length,
-                         const float *p, int64_t padded, const float *units, uint16_t *w16, int64_t stride, float *acc) {
+                         const float *p, int64_t padded, const float *most, uint16_t *w16, int64_t stride, float *acc) {
   float unit[AMX_QUERIES];
   for (int64_t m = 0; m < n; m++) { /* the weights in int16 */
     const float *pm = p + m * padded;
     int16_t *wm = (int16_t *)w16 + m * stride;
-    __m512 most = _mm512_setzero_ps();
-    for (int64_t j = 0; j < padded; j += 16)
-      most = _mm512_max_ps(most, _mm512_mul_ps(_mm512_loadu_ps(pm + j), _mm512_loadu_ps(units + j)));
-    float top = _mm512_reduce_max_ps(most);
+    float top = most[m];
     unit[m] = top / 32767.0f;
     __m512 up = _mm512_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
     for (int64_t j = 0; j < padded; j += 16) { /* to the nearest integer, ties to even */
-      __m512 x = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(pm + j), _mm512_loadu_ps(units + j)), up);
+      __m512 x = _mm512_mul_ps(_mm512_loadu_ps(pm + j), up);
       _mm256_storeu_si256((__m256i *)(wm + j), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(x)));
     }
     for (int64_t j = padded; j < stride; j++) wm[j] = 0;
