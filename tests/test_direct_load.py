@@ -109,24 +109,30 @@ def assert_same_model(new, old) -> None:
     assert new.eos_ids == old.eos_ids and new.tokenizer.get_vocab() == old.tokenizer.get_vocab()
 
 
+@pytest.fixture
+def library_layers(monkeypatch):
+    """The kernel library's 4-bit layers and 8-bit lm_head, whatever this machine measures fastest
+    for so tiny a model (torch's int4 layers quantize again what they are given: CI's machine once
+    measured them faster); skipped where there is no library."""
+    from core.backends import q4
+    from core.measure.kernels import Choice
+    from models import loader
+
+    if q4.library() is None:
+        pytest.skip(f"no kernel library here: {q4.unavailable()}")
+    monkeypatch.setattr(loader, "cpu_choice", lambda *args: Choice("bfloat16", "q4", "q8"))
+
+
 def test_a_gguf_file_of_many_types_loads_its_4bit_blocks_as_they_are_and_the_rest_as_the_conversion(
-    mixed, monkeypatch, capsys
+    mixed, monkeypatch, capsys, library_layers
 ):
     """Q4_0, Q4_1 and Q4_K weights go into the 4-bit layers as the file's blocks (its values:
     exactly, Q4_K's steps to float16 where its layer holds other parts per group); every other
     tensor is what the former path (the file converted, `from_pretrained`, packed) gives, bit for
     bit where it holds it in the same form."""
-    from core.backends import q4
-    from core.measure.kernels import Choice
-    from models import loader
     from models.loader import load_backbone
 
     require_kernel("int4", torch.bfloat16)
-    if q4.library() is None:
-        pytest.skip(f"no kernel library here: {q4.unavailable()}")
-    # the library's 4-bit layers, whatever this machine measures fastest for so tiny a model (torch's
-    # int4 layers quantize again what they are given: CI's machine once measured them faster)
-    monkeypatch.setattr(loader, "cpu_choice", lambda *args: Choice("bfloat16", "q4", "q8"))
     monkeypatch.setattr(direct, "CHUNK", 1 << 16)  # the embedding and output read in parts of 64 rows
     new = load_backbone(str(mixed), device="cpu", quantization="int4")
     said = capsys.readouterr().err
@@ -215,19 +221,17 @@ def test_a_safetensors_folder_loads_into_the_model_from_pretrained_gives(cache, 
     assert torch.equal(logits(new), logits(old))
 
 
-def test_the_librarys_kernels_pack_weights_as_read_and_hold_a_tied_vocabulary_once(cache, tmp_path, monkeypatch):
+def test_the_librarys_kernels_pack_weights_as_read_and_hold_a_tied_vocabulary_once(
+    cache, tmp_path, monkeypatch, library_layers
+):
     """With the library's kernels (4-bit layers, the 8-bit lm_head), each layer weight is packed
     into its rows of the fused weight as it is read, and a tied vocabulary becomes one packed
     table that the lm_head multiplies and the embedding reads rows of: the same packed bytes and
     logits as packing the whole model after `from_pretrained`, and no dense (V, H) table kept."""
-    from core.backends import lean, q4
-    from core.measure.kernels import Choice
+    from core.backends import lean
     from models import loader
     from tests.gguf_writer import random_folder
 
-    if q4.library() is None:
-        pytest.skip(f"no kernel library here: {q4.unavailable()}")
-    monkeypatch.setattr(loader, "cpu_choice", lambda *args: Choice("bfloat16", "q4", "q8"))
     folder = random_folder(dict(TINY, tie_word_embeddings=True), tmp_path / "tied")
     taken = []
     monkeypatch.setattr(lean.PackAsRead, "take", _counting_take(lean.PackAsRead.take, taken))
