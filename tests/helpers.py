@@ -57,6 +57,12 @@ FAST_KERNELS = tuple(k for k in ("dense", "onednn") if fast.kernel_works(k, torc
 ARCHS = (*BASE_ARCHS, *(f"{a}+{k}" for a in BASE_ARCHS for k in FAST_KERNELS))
 
 
+def kernel_variants() -> list[str]:
+    """The kernel variants this CPU can run (AVX-512 VNNI runs only where the CPU has it)."""
+    best = q4.isa()
+    return [] if best is None else [v for v in q4.ISAS if q4.ISAS[v] <= q4.ISAS[best]]
+
+
 def unpacked(packed: q4.Packed) -> Tensor:
     """A 4- or 5-bit `q4.Packed` weight's values (N, K) as the kernel multiplies them: step·q + minimum."""
     n, k = packed.n, packed.k
