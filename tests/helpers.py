@@ -196,3 +196,17 @@ def three_token_p_value(
         counts[done.token_ids] += 1
         on_events(events)
     return chi_square_p_value(counts, exact_three_tokens(backend.model, prompt, vocab), n)
+
+
+def tiny_eagle_draft(model, seed: int = 3, vocab=None):
+    """A random EAGLE draft layer for `model` (its vocabulary, or `vocab`'s ids), peaky enough
+    that its guesses differ from noise."""
+    from core.drafters.eagle import EagleDraft
+
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        size = model.get_output_embeddings().weight.shape[0]
+        draft = EagleDraft(model, torch.arange(size) if vocab is None else vocab)
+        for p in draft.parameters():  # peaky enough that the draft's guesses differ from noise
+            torch.nn.init.normal_(p, std=0.3)
+    return draft.eval()
