@@ -84,7 +84,9 @@ def packed_model(
     model = light.skeleton(config, dtype, folder)
     try:
         source = GgufFile(gguf, model, CHUNK) if gguf is not None else folder_source(folder)
-    except (OSError, ValueError, Unreadable) as e:
+    except Unreadable as e:  # its message is the sentence why (as `gguf_files.check` says it)
+        raise UserError(f"{gguf} cannot be read: {e}") from e
+    except (OSError, ValueError) as e:
         raise UserError(f"{gguf} is damaged or truncated: its tensors do not read ({e}).") from e
     if source is None or not covers(model, source):
         return None

@@ -26,7 +26,7 @@ from torch import Tensor
 from core.backends import q4
 from core.backends.lean.packed import BITS
 from models import gguf_blocks
-from models.headers import _U32, _U64, Unreadable, _Cursor
+from models.headers import _U32, _U64, Unreadable, _Cursor, check_opening
 
 WIDE = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"}  # quantized to over 4.5 bits a weight by choice
 SAME = slice(None)  # a tensor's rows in the file's order (`GgufFile._row_order`)
@@ -53,25 +53,23 @@ class Entry:
 def tensor_table(path: Path) -> tuple[dict, dict[str, Entry]]:
     """A GGUF file's scalar metadata and its tensors by name (`Unreadable` with its sentence where
     it is empty, no GGUF file, its header is cut short or a tensor lies past its end)."""
-    if path.stat().st_size == 0:
-        raise Unreadable("the file is empty.")
-    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if bytes(buf[:4]) != b"GGUF":  # as `headers.read_gguf` checks it
-            raise Unreadable("it is not a GGUF file.")
-        c = _Cursor(buf)
-        c.pos = 8  # magic and version
-        n_tensors, n_kv = c.take(_U64), c.take(_U64)
-        meta = {}
-        for _ in range(n_kv):
-            key = c.string()
-            meta[key] = c.value(c.take(_U32))
-        infos = []
-        for _ in range(n_tensors):
-            name = c.string()
-            dims = [c.take(_U64) for _ in range(c.take(_U32))]
-            infos.append((name, dims, c.take(_U32), c.take(_U64)))
-        align = meta.get("general.alignment") or gguf.GGUF_DEFAULT_ALIGNMENT
-        start, size = -(-c.pos // align) * align, len(buf)
+    with path.open("rb") as f:
+        check_opening(os.fstat(f.fileno()).st_size, f.read(4))
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            c = _Cursor(buf)
+            c.pos = 8  # magic and version
+            n_tensors, n_kv = c.take(_U64), c.take(_U64)
+            meta = {}
+            for _ in range(n_kv):
+                key = c.string()
+                meta[key] = c.value(c.take(_U32))
+            infos = []
+            for _ in range(n_tensors):
+                name = c.string()
+                dims = [c.take(_U64) for _ in range(c.take(_U32))]
+                infos.append((name, dims, c.take(_U32), c.take(_U64)))
+            align = meta.get("general.alignment") or gguf.GGUF_DEFAULT_ALIGNMENT
+            start, size = -(-c.pos // align) * align, len(buf)
     table = {}
     for name, dims, kind, offset in infos:
         entry = _entry(gguf.GGMLQuantizationType(kind), dims, start + offset)

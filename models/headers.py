@@ -80,6 +80,15 @@ class _Cursor:
         return self.take(struct.Struct(_SCALARS[kind]))
 
 
+def check_opening(size: int, head: bytes) -> None:
+    """Unreadable with its sentence where a file of `size` bytes whose first bytes are `head` cannot
+    be a GGUF file (both readers of a header check so: `read_gguf`, `direct_gguf.tensor_table`)."""
+    if size == 0:
+        raise Unreadable("the file is empty.")
+    if head[:4] != b"GGUF":
+        raise Unreadable("it is not a GGUF file.")
+
+
 def read_gguf(path: Path) -> dict:
     """A GGUF file's header: its scalar metadata, parameter count and dominant tensor type, checked
     against the file's size. Raises Unreadable with one sentence where the file cannot be listed as a model."""
@@ -88,10 +97,7 @@ def read_gguf(path: Path) -> dict:
         key = (str(path), st.st_size, st.st_mtime_ns)
         if key in _headers:
             return _headers[key]
-        if st.st_size == 0:
-            raise Unreadable("the file is empty.")
-        if f.read(4) != b"GGUF":
-            raise Unreadable("it is not a GGUF file.")
+        check_opening(st.st_size, f.read(4))
         if st.st_size < 24:
             raise Unreadable("the file is truncated (it ends inside its header).")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
