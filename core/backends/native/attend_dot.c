@@ -227,9 +227,9 @@ TDOT static inline __attribute__((always_inline)) void values8_g(const int G, in
  * makes them with their largest, most[m]) rounded to int16 on the query's own scale (that largest
  * ↦ 32767), then Σ w · v over the part's keys two at a time (`vpdpwssd`: exact, the int8 values
  * widened to int16; a part's ≤ SPLIT keys cannot overflow: 512 · 32767 · 128 < 2³¹), times that
- * scale. An integer sum has no order, so
- * a query's bits depend on its own weights and values only: not on the queries it is grouped with,
- * nor on the slots its keys sit in (a tree's node gets those of a one-token step). acc: n × d;
+ * scale. An integer sum has no order, so a query's bits depend on its own weights and values only:
+ * not on the queries it is grouped with, nor on the slots its keys sit in (a tree's node gets those
+ * of a one-token step). acc: n × d;
  * w16: n rows of `stride` int16 (stride ≥ length rounded up to even); wide: the values widened
  * already (q4_dot_pairs16's, from the part's first key; with `tiles`, q4_quads8's, the sums then
  * made on the configured tiles: q4_tile_values8), or NULL. */
